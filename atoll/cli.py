@@ -1,0 +1,76 @@
+"""`atoll`: one command for the services and for the tools that run the system as a whole.
+
+Every flag also reads from `ATOLL_<FLAG>` and from the TOML file named by `ATOLL_CONFIG`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsConfigDict
+
+from bench.settings import BenchCommand
+from cluster.settings import UpSettings
+from learner.settings import LearnerSettings
+from services.config import SynchronizerSettings
+
+
+class SynchronizerCommand(SynchronizerSettings):
+    """Run one synchronizer replica (stateless; all state in Redis)."""
+
+    def cli_cmd(self) -> None:
+        from synchronizer.server import run
+
+        run(self)
+
+
+class LearnerCommand(LearnerSettings):
+    """Run one learner: a JAX inner loop that syncs fragments with the synchronizer."""
+
+    def cli_cmd(self) -> None:
+        from learner.main import run
+
+        run(self)
+
+
+class UpCommand(UpSettings):
+    """Start a local cluster: Redis, synchronizer replicas and learners, with a live view."""
+
+    def cli_cmd(self) -> None:
+        from cluster.up import run
+
+        raise SystemExit(run(self))
+
+
+class Atoll(BaseSettings):
+    """atoll: resilient, low-bandwidth distributed training (Decoupled DiLoCo)."""
+
+    model_config = SettingsConfigDict(cli_kebab_case=True, cli_prog_name="atoll")
+
+    synchronizer: CliSubCommand[SynchronizerCommand]
+    learner: CliSubCommand[LearnerCommand]
+    up: CliSubCommand[UpCommand]
+    bench: CliSubCommand[BenchCommand]
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        CliApp.run(Atoll, cli_args=args)
+    except ValidationError as err:
+        for problem in err.errors():
+            flag = "--" + "-".join(str(p) for p in problem["loc"][-1:]).replace("_", "-")
+            print(f"atoll: {flag}: {problem['msg']}", file=sys.stderr)
+        print("atoll: see --help for each flag's meaning and range", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (FileNotFoundError, ValueError) as err:
+        print(f"atoll: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""`atoll bench ...`: benchmarks that print ratios measured side by side in one run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+from pydantic_settings import CliApp, CliSubCommand
+
+from services.config import AtollSettings
+
+
+class _Output(BaseModel):
+    json_path: Path | None = Field(None, alias="json", description="write the result JSON here")
+
+
+class SynchronizerBench(_Output):
+    """Ingest of 3 learners streaming int8 updates, against raw gRPC streaming of the same bytes."""
+
+    clients: int = Field(3, ge=1, le=16, description="concurrent learner clients")
+    seconds: float = Field(10.0, gt=0.0, description="seconds each measurement streams")
+    fragment_mib: float = Field(4.0, gt=0.0, description="encoded int8 update size in MiB")
+
+    def cli_cmd(self) -> None:
+        from bench.synchronizer_bench import run
+
+        run(self)
+
+
+class BenchCommand(AtollSettings):
+    """Benchmarks; each writes its figures as JSON with --json PATH."""
+
+    synchronizer: CliSubCommand[SynchronizerBench]
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)

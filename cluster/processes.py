@@ -1,0 +1,158 @@
+"""Child processes of a local cluster: started with fork+exec, stopped by PID.
+
+Children are started through `subprocess` (never a bare fork after gRPC or JAX are
+initialised), each in its own process group so a SIGKILL reaches exactly that child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def atoll_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "atoll.cli", *args]
+
+
+def child_env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a child: XLA and BLAS limited to `threads`, Python unbuffered."""
+    env = dict(os.environ)
+    env.pop("ATOLL_CONFIG", None)
+    env.update(
+        {
+            "PYTHONUNBUFFERED": "1",
+            "JAX_PLATFORMS": env.get("JAX_PLATFORMS", "cpu"),
+            "XLA_FLAGS": (
+                f"--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}"
+            ),
+            "OMP_NUM_THREADS": str(threads),
+            "OPENBLAS_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Child:
+    name: str
+    args: list[str]
+    log_path: Path
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    meta: dict[str, object] = field(default_factory=dict)
+
+    def start(self) -> Child:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            self.args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
+        log.close()
+        self.starts += 1
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.pid, sig)
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+        if self.process is None:
+            return None
+        if self.alive():
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.process.wait(timeout=5)
+        return self.process.returncode
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait(timeout=5)
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+def wait_for_file(path: Path, child: Child, timeout_s: float = 60.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.stat().st_size:
+            return dict(json.loads(path.read_text()))
+        if not child.alive():
+            raise RuntimeError(f"{child.name} exited at start:\n{child.tail()}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{child.name} did not start within {timeout_s} s:\n{child.tail()}")
+
+
+@dataclass
+class SynchronizerChild(Child):
+    port: int = 0
+    metrics_port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start_and_wait(self, timeout_s: float = 60.0) -> SynchronizerChild:
+        port_file = self.log_path.with_suffix(".ports")
+        port_file.unlink(missing_ok=True)
+        self.start()
+        ports = wait_for_file(port_file, self, timeout_s)
+        self.port, self.metrics_port = ports["grpc"], ports["metrics"]
+        return self
+
+
+def synchronizer_child(
+    workdir: Path,
+    redis_url: str,
+    replica: str,
+    job_args: Sequence[str] = (),
+    port: int = 0,
+) -> SynchronizerChild:
+    log_path = workdir / f"{replica}.log"
+    args = atoll_command(
+        "synchronizer",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--redis-url",
+        redis_url,
+        "--replica-id",
+        replica,
+        "--port-file",
+        str(log_path.with_suffix(".ports")),
+        *job_args,
+    )
+    return SynchronizerChild(name=replica, args=args, log_path=log_path, env=child_env(1))

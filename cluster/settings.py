@@ -1,0 +1,32 @@
+"""Settings of `atoll up`: the whole local cluster, algorithm and model included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from learner.settings import ModelConfig
+from services.config import AtollSettings, JobConfig
+
+
+class UpSettings(JobConfig, ModelConfig, AtollSettings):
+    """`atoll up`: Redis, synchronizer replicas and learners on this machine."""
+
+    learners: int = Field(3, ge=1, le=64, description="learner processes (M)")
+    synchronizers: int = Field(1, ge=1, le=8, description="synchronizer replicas")
+    steps: int = Field(300, ge=1, description="inner steps each learner runs")
+    redis_url: str = Field(
+        "", description="use this Redis instead of starting one (redis://HOST:PORT/DB)"
+    )
+    report: Path | None = Field(None, description="write the run report JSON here")
+    plot: Path | None = Field(None, description="write a PNG of the loss curves here")
+    workdir: Path | None = Field(
+        None, description="folder for logs and learner state; default: a temporary one"
+    )
+    speeds: list[float] = Field(
+        default_factory=list,
+        description="per-learner artificial speed (1 = full; 0.25 = 4x slower); default all 1",
+    )
+    live: bool = Field(True, description="show the live view when stdout is a terminal")
+    timeout_s: float = Field(3600.0, gt=0.0, description="stop everything after this long")

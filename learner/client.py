@@ -1,0 +1,387 @@
+"""The learner's side of the atoll.v1 protocol, over a background stream.
+
+It knows nothing of JAX: it sends encoded fragments, hands back acks and new global
+fragments as numpy arrays, and keeps the session alive. When the stream breaks it
+reconnects (exponential backoff with jitter, over every synchronizer address it was given),
+re-sends every update not yet acknowledged (the synchronizer deduplicates them) and fetches
+the fragments whose version moved while it was away. Sending never blocks the caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import structlog
+
+from services import telemetry as tm
+from services.gen.atoll.v1 import (
+    fragment_pb2,
+    session_pb2,
+    synchronizer_pb2,
+    synchronizer_pb2_grpc,
+)
+from services.grpcopts import backoff_delays, channel_options
+from services.layout import LeafSpec
+from services.wire import ChunkAssembler, make_header, split
+
+log = structlog.get_logger("atoll.learner.client")
+GRPC_FRAME_OVERHEAD = 5
+
+
+class SessionError(RuntimeError):
+    """The synchronizer refused the session for a reason retrying will not fix."""
+
+
+@dataclass(frozen=True)
+class GlobalFragment:
+    fragment: int
+    version: int
+    values: np.ndarray
+
+
+@dataclass
+class _Outgoing:
+    seq: int
+    chunks: list[session_pb2.UpdateChunk]
+
+
+@dataclass
+class ClientStats:
+    bytes_up: int = 0
+    bytes_down: int = 0
+    reconnects: int = 0
+    acks: dict[int, session_pb2.Ack] = field(default_factory=dict)
+
+
+_FATAL = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.ABORTED,
+}
+
+
+class SynchronizerClient:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        job: str,
+        learner_id: str,
+        incarnation: str,
+        params: Sequence[LeafSpec],
+        token: str = "",
+        max_backoff_s: float = 5.0,
+        connect_timeout_s: float = 30.0,
+    ) -> None:
+        if not addresses:
+            raise ValueError("give at least one synchronizer address HOST:PORT")
+        self.addresses = list(addresses)
+        self.job, self.learner_id, self.incarnation = job, learner_id, incarnation
+        self.params = list(params)
+        self.token = token
+        self.max_backoff_s = max_backoff_s
+        self.connect_timeout_s = connect_timeout_s
+        self.stats = ClientStats()
+        self.welcome: session_pb2.Welcome | None = None
+        self.fragments: queue.Queue[GlobalFragment] = queue.Queue()
+        self.known_versions: dict[int, int] = {}
+        self.step = 0
+        self._seq = itertools.count(1)
+        self._lock = threading.Condition()
+        self._unacked: dict[int, _Outgoing] = {}
+        self._outbox: queue.Queue[session_pb2.LearnerMessage | None] | None = None
+        self._channel: grpc.Channel | None = None
+        self._closed = threading.Event()
+        self._connected = threading.Event()
+        self._fatal: SessionError | None = None
+        self._address_cycle = itertools.cycle(self.addresses)
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def connect(self) -> session_pb2.Welcome:
+        """Open the session (in the background, reconnecting as needed); return the welcome."""
+        self._thread = threading.Thread(target=self._run, name="atoll-session", daemon=True)
+        self._thread.start()
+        if not self._connected.wait(self.connect_timeout_s):
+            self.close()
+            if self._fatal is not None:
+                raise self._fatal
+            raise SessionError(
+                f"no synchronizer answered within {self.connect_timeout_s:.0f} s at "
+                f"{', '.join(self.addresses)}; check the addresses and that one is running"
+            )
+        if self._fatal is not None:
+            raise self._fatal
+        assert self.welcome is not None
+        return self.welcome
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def close(self) -> None:
+        self._closed.set()
+        outbox = self._outbox
+        if outbox is not None:
+            outbox.put(None)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        if self._channel is not None:
+            self._channel.close()
+
+    def check(self) -> None:
+        """Raise the session's fatal error, if the synchronizer refused it."""
+        if self._fatal is not None:
+            raise self._fatal
+
+    # --- sending ------------------------------------------------------------------------
+    def send_update(
+        self,
+        *,
+        fragment: int,
+        payload: bytes,
+        codec: int,
+        block_size: int,
+        num_elements: int,
+        base_version: int = 0,
+        c_steps: int = 0,
+        c_tokens: int = 0,
+        compute_seconds: float = 0.0,
+        kind: int = session_pb2.UPDATE_KIND_OUTER_GRADIENT,
+        max_chunk: int | None = None,
+    ) -> int:
+        """Queue one update; return its seq. It is re-sent after a reconnect until acked."""
+        size = max_chunk or (self.welcome.config.max_chunk_bytes if self.welcome else 1 << 20)
+        seq = next(self._seq)
+        header = make_header(fragment, codec, block_size, num_elements, payload, size)
+        chunks = [
+            session_pb2.UpdateChunk(
+                header=header,
+                kind=kind,  # type: ignore[arg-type]
+                seq=seq,
+                base_version=base_version,
+                c_steps=c_steps,
+                c_tokens=c_tokens,
+                compute_seconds=compute_seconds,
+                chunk_index=i,
+                data=data,
+            )
+            for i, data in enumerate(split(payload, size))
+        ]
+        with self._lock:
+            self._unacked[seq] = _Outgoing(seq, chunks)
+            outbox = self._outbox
+            if outbox is not None and self._connected.is_set():
+                for chunk in chunks:
+                    outbox.put(session_pb2.LearnerMessage(update=chunk))
+        return seq
+
+    def send_raw(self, chunks: Sequence[session_pb2.UpdateChunk]) -> None:
+        """Put hand-built chunks on the stream as they are (for protocol tests)."""
+        with self._lock:
+            assert self._outbox is not None
+            for chunk in chunks:
+                self._unacked.setdefault(chunk.seq, _Outgoing(chunk.seq, []))
+                self._outbox.put(session_pb2.LearnerMessage(update=chunk))
+
+    def heartbeat(
+        self,
+        *,
+        step: int,
+        step_time_ema_s: float,
+        tokens_per_s: float,
+        loss: float,
+        eval_loss: float,
+    ) -> None:
+        self.step = step
+        outbox = self._outbox
+        if outbox is not None and self._connected.is_set():
+            outbox.put(
+                session_pb2.LearnerMessage(
+                    heartbeat=session_pb2.Heartbeat(
+                        step=step,
+                        step_time_ema_s=step_time_ema_s,
+                        tokens_per_s=tokens_per_s,
+                        loss=loss,
+                        eval_loss=eval_loss,
+                    )
+                )
+            )
+
+    def wait_ack(self, seq: int, timeout: float) -> session_pb2.Ack:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while seq not in self.stats.acks:
+                self.check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no ack for update {seq} within {timeout:.1f} s")
+                self._lock.wait(min(left, 0.5))
+            return self.stats.acks[seq]
+
+    def unacked(self) -> int:
+        with self._lock:
+            return len(self._unacked)
+
+    # --- fetching -----------------------------------------------------------------------
+    def fetch_state(self, fragments: Sequence[int] = ()) -> list[GlobalFragment]:
+        """The current global value of `fragments` (all if empty), over the unary stream."""
+        assert self._channel is not None, "connect() first"
+        stub = synchronizer_pb2_grpc.SynchronizerStub(self._channel)
+        request = synchronizer_pb2.FetchStateRequest(job=self.job, fragments=list(fragments))
+        self.stats.bytes_up += request.ByteSize() + GRPC_FRAME_OVERHEAD
+        out: list[GlobalFragment] = []
+        assembler = ChunkAssembler()
+        for chunk in stub.FetchState(request, timeout=120):
+            self._count_down(chunk)
+            got = self._assemble(assembler, chunk)
+            if got is not None:
+                out.append(got)
+        for g in out:
+            self.known_versions[g.fragment] = max(
+                self.known_versions.get(g.fragment, -1), g.version
+            )
+        return out
+
+    # --- the session thread -------------------------------------------------------------
+    def _count_down(self, message: object) -> None:
+        size = int(message.ByteSize()) + GRPC_FRAME_OVERHEAD  # type: ignore[attr-defined]
+        self.stats.bytes_down += size
+        tm.LEARNER_BYTES.labels(direction="down").inc(size)
+
+    def _requests(
+        self, outbox: queue.Queue[session_pb2.LearnerMessage | None]
+    ) -> Iterator[session_pb2.LearnerMessage]:
+        while True:
+            message = outbox.get()
+            if message is None:
+                return
+            size = message.ByteSize() + GRPC_FRAME_OVERHEAD
+            self.stats.bytes_up += size
+            tm.LEARNER_BYTES.labels(direction="up").inc(size)
+            yield message
+
+    def _hello(self) -> session_pb2.LearnerMessage:
+        return session_pb2.LearnerMessage(
+            hello=session_pb2.Hello(
+                job=self.job,
+                learner_id=self.learner_id,
+                incarnation=self.incarnation,
+                token=self.token,
+                params=[
+                    fragment_pb2.TensorSpec(name=p.name, shape=p.shape, dtype=p.dtype)
+                    for p in self.params
+                ],
+                step=self.step,
+            )
+        )
+
+    def _run(self) -> None:
+        delays = backoff_delays(max_s=self.max_backoff_s, initial_s=min(1.0, self.max_backoff_s))
+        first = True
+        while not self._closed.is_set():
+            address = next(self._address_cycle)
+            try:
+                self._session(address, first)
+                delays = backoff_delays(
+                    max_s=self.max_backoff_s, initial_s=min(1.0, self.max_backoff_s)
+                )
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else None
+                details = err.details() if hasattr(err, "details") else str(err)
+                if code in _FATAL:
+                    self._fatal = SessionError(f"synchronizer refused the session: {details}")
+                    self._connected.set()
+                    log.error("session_refused", code=str(code), details=details)
+                    return
+                log.info("session_broken", address=address, code=str(code), details=details)
+            finally:
+                self._connected.clear()
+            if self._closed.is_set():
+                return
+            first = False
+            self.stats.reconnects += 1
+            self._closed.wait(next(delays))
+
+    def _session(self, address: str, first: bool) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = grpc.insecure_channel(address, options=channel_options(self.max_backoff_s))
+        stub = synchronizer_pb2_grpc.SynchronizerStub(self._channel)
+        outbox: queue.Queue[session_pb2.LearnerMessage | None] = queue.Queue()
+        outbox.put(self._hello())
+        self._outbox = outbox
+        responses = stub.Session(self._requests(outbox))
+        assembler = ChunkAssembler()
+        try:
+            for message in responses:
+                self._count_down(message)
+                kind = message.WhichOneof("kind")
+                if kind == "welcome":
+                    self._on_welcome(message.welcome, outbox, first)
+                elif kind == "ack":
+                    with self._lock:
+                        self.stats.acks[message.ack.seq] = message.ack
+                        self._unacked.pop(message.ack.seq, None)
+                        self._lock.notify_all()
+                elif kind == "fragment":
+                    got = self._assemble(assembler, message.fragment)
+                    if got is not None:
+                        self._deliver(got)
+                if self._closed.is_set():
+                    break
+        finally:
+            outbox.put(None)
+            responses.cancel()  # type: ignore[no-untyped-call]
+
+    def _on_welcome(
+        self,
+        welcome: session_pb2.Welcome,
+        outbox: queue.Queue[session_pb2.LearnerMessage | None],
+        first: bool,
+    ) -> None:
+        self.welcome = welcome
+        with self._lock:
+            pending = [self._unacked[s] for s in sorted(self._unacked)]
+            for out in pending:
+                for chunk in out.chunks:
+                    outbox.put(session_pb2.LearnerMessage(update=chunk))
+        if not first:
+            tm.REJOINS.inc()
+            moved = [
+                p for p, v in enumerate(welcome.versions) if v > self.known_versions.get(p, -1)
+            ]
+            log.info(
+                "reconnected",
+                synchronizer=welcome.synchronizer_id,
+                resent=len(pending),
+                moved=len(moved),
+            )
+            if moved and welcome.initialized:
+                for g in self.fetch_state(moved):
+                    self.fragments.put(g)
+        self._connected.set()
+
+    def _assemble(
+        self, assembler: ChunkAssembler, chunk: fragment_pb2.GlobalFragmentChunk
+    ) -> GlobalFragment | None:
+        payload = assembler.feed(chunk.header, chunk.chunk_index, chunk.data)
+        if payload is None:
+            return None
+        values = np.frombuffer(payload, "<f4").copy()
+        return GlobalFragment(chunk.header.fragment, chunk.version, values)
+
+    def _deliver(self, got: GlobalFragment) -> None:
+        if got.version <= self.known_versions.get(got.fragment, -1):
+            return
+        self.known_versions[got.fragment] = got.version
+        self.fragments.put(got)

@@ -1,0 +1,66 @@
+"""Settings of `atoll learner` (and of the model and data, shared with `atoll up`)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from services.config import AtollSettings
+
+
+class ModelConfig(BaseModel):
+    """The built-in byte-level transformer, its optimizer and its data."""
+
+    model: str = Field(
+        "builtin",
+        description="'builtin' (byte-level transformer sized by the flags below) or "
+        "'module:function' returning (params, loss_fn) for your own model",
+    )
+    layers: int = Field(4, ge=1, le=128, description="transformer layers")
+    width: int = Field(128, ge=8, le=16384, description="model width (d_model)")
+    heads: int = Field(4, ge=1, le=256, description="attention heads (must divide width)")
+    context: int = Field(128, ge=8, le=65536, description="context length in bytes")
+    batch_size: int = Field(16, ge=1, description="sequences per inner step (whole learner)")
+    lr: float = Field(3e-3, gt=0.0, description="inner AdamW peak learning rate")
+    warmup_steps: int = Field(20, ge=0, description="inner learning-rate warm-up steps")
+    weight_decay: float = Field(0.01, ge=0.0, description="inner AdamW weight decay")
+    seed: int = Field(0, description="initialization and data-order seed")
+    data: list[Path] = Field(
+        default_factory=list,
+        description="text files or folders to train on; empty: this Python's standard library "
+        "sources",
+    )
+    eval_fraction: float = Field(
+        0.02, gt=0.0, lt=0.5, description="share of the text held out for evaluation"
+    )
+    threads: int = Field(1, ge=1, le=256, description="CPU threads for JAX/XLA in this learner")
+
+
+class LearnerSettings(ModelConfig, AtollSettings):
+    """`atoll learner`: one island of compute."""
+
+    synchronizer: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1:50051"],
+        description="synchronizer addresses HOST:PORT (repeat or comma-separate); tried in turn",
+    )
+    id: str = Field(default_factory=socket.gethostname, description="stable learner slot name")
+    job: str = Field("default", description="job to join (must match the synchronizer's)")
+    token: str = Field("", description="shared secret, if the synchronizer requires one")
+    steps: int = Field(0, ge=0, description="inner steps to run, then leave; 0: run until stopped")
+    shard: int = Field(0, ge=0, description="this learner's data shard index")
+    num_shards: int = Field(1, ge=1, description="number of data shards")
+    state_dir: Path | None = Field(
+        None, description="folder keeping the read position, so a restart resumes its shard"
+    )
+    speed: float = Field(
+        1.0, gt=0.0, le=1.0, description="artificial slowdown: 0.25 makes steps 4x slower"
+    )
+    heartbeat_s: float = Field(1.0, gt=0.0, description="seconds between heartbeats")
+    eval_every: int = Field(50, ge=0, description="steps between evals of the global model; 0 off")
+    eval_batches: int = Field(4, ge=1, description="batches per eval")
+    metrics_listen: str = Field("", description="HOST:PORT for /metrics; empty: none")
+    max_backoff_s: float = Field(5.0, gt=0.0, description="cap of the reconnect backoff")
+    report: Path | None = Field(None, description="write this learner's summary JSON here")
+    log_level: str = Field("info", description="debug, info, warning or error")

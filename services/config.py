@@ -1,0 +1,129 @@
+"""One config model per role. Flags, `ATOLL_*` environment variables and a TOML file named
+by `ATOLL_CONFIG` all map onto it, in that order of precedence (flags win).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from services.codec import DEFAULT_BLOCK_SIZE, REGISTRY
+from services.wire import DEFAULT_MAX_CHUNK_BYTES
+
+Mode = Literal["decoupled", "sync"]
+CodecName = Literal["fp32", "bf16", "int8"]
+assert set(CodecName.__args__) == set(REGISTRY)  # type: ignore[attr-defined]
+
+
+class JobConfig(BaseModel):
+    """The algorithm's settings. The synchronizer owns them; learners receive them on join."""
+
+    job: str = Field("default", description="job name; keys in Redis are scoped by it")
+    mode: Mode = Field(
+        "decoupled",
+        description="decoupled: learners never wait; sync: every learner waits for each merge "
+        "(classic DiLoCo, quorum = all live learners, no grace)",
+    )
+    fragments: int = Field(
+        4, ge=1, le=4096, description="P: fragments the parameters are split into"
+    )
+    inner_steps: int = Field(
+        40, ge=1, description="H: inner steps between two syncs of the same fragment"
+    )
+    overlap_steps: int = Field(
+        5, ge=0, description="tau: steps a fragment may be in flight (sets the grace window)"
+    )
+    codec: CodecName = Field("int8", description="encoding of outer gradients on the wire")
+    block_size: int = Field(
+        DEFAULT_BLOCK_SIZE, ge=1, le=1 << 20, description="values per scale block (int8)"
+    )
+    quorum: int = Field(1, ge=1, description="K: minimum learners per merge (decoupled mode)")
+    grace_gamma: float = Field(
+        0.8, ge=0.0, le=10.0, description="gamma of the adaptive grace window (paper Eq. 3)"
+    )
+    grace_seconds: float | None = Field(
+        None, ge=0.0, description="fixed grace window in seconds; unset: adaptive (Eq. 3)"
+    )
+    outer_lr: float = Field(0.7, gt=0.0, description="outer Nesterov SGD learning rate")
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer Nesterov momentum")
+    merge_alpha: float = Field(
+        0.0, ge=0.0, le=1.0, description="learner merge: theta <- alpha*theta + (1-alpha)*global"
+    )
+    max_staleness: int = Field(
+        8, ge=0, description="updates more versions behind than this are refused"
+    )
+    max_chunk_bytes: int = Field(
+        DEFAULT_MAX_CHUNK_BYTES, ge=1024, le=1 << 22, description="payload chunk size on the wire"
+    )
+
+
+class AtollSettings(BaseSettings):
+    """Base of every command's settings: env vars `ATOLL_<FLAG>`, file `$ATOLL_CONFIG`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="ATOLL_",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        extra="forbid",
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config = os.environ.get("ATOLL_CONFIG")
+        if config:
+            if not Path(config).is_file():
+                raise FileNotFoundError(
+                    f"ATOLL_CONFIG names {config!r}, which is not a file; unset it or fix the path"
+                )
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config))
+        return tuple(sources)
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class SynchronizerSettings(JobConfig, AtollSettings):
+    """`atoll synchronizer`: one stateless replica; all state lives in Redis."""
+
+    listen: str = Field("127.0.0.1:50051", description="gRPC address HOST:PORT (port 0: any)")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding all state")
+    metrics_listen: str = Field(
+        "127.0.0.1:9400", description="HOST:PORT serving Prometheus /metrics (port 0: any)"
+    )
+    replica_id: str = Field(default_factory=default_replica_id, description="this replica's name")
+    lease_ttl_s: float = Field(
+        10.0, gt=0.0, description="a learner is dead after this long without a heartbeat"
+    )
+    init_from: Path | None = Field(
+        None, description=".npz of initial parameters (leaf name -> array); unset: first learner's"
+    )
+    token: str | None = Field(None, description="shared secret learners must present")
+    log_level: str = Field("info", description="debug, info, warning or error")
+    port_file: Path | None = Field(
+        None, description="write the bound gRPC and metrics ports here (JSON) once serving"
+    )
+
+    @model_validator(mode="after")
+    def _check_init(self) -> SynchronizerSettings:
+        if self.init_from is not None and not self.init_from.is_file():
+            raise ValueError(f"--init-from {self.init_from}: no such file; give an .npz checkpoint")
+        return self

@@ -1,0 +1,53 @@
+"""gRPC options both services use: message limits, keepalive and reconnect backoff."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+# Payloads travel in chunks of at most 4 MiB; the limit leaves room for the envelope.
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+# gRPC's connection-backoff numbers: 1 s initial, x1.6, +-20 % jitter, 120 s cap.
+BACKOFF_INITIAL_S = 1.0
+BACKOFF_MULTIPLIER = 1.6
+BACKOFF_JITTER = 0.2
+BACKOFF_MAX_S = 120.0
+
+_COMMON: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def server_options() -> list[tuple[str, int]]:
+    return [*_COMMON, ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+
+
+def channel_options(max_backoff_s: float = BACKOFF_MAX_S) -> list[tuple[str, int]]:
+    return [
+        *_COMMON,
+        ("grpc.initial_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000)),
+        ("grpc.max_reconnect_backoff_ms", int(max_backoff_s * 1000)),
+        ("grpc.enable_retries", 1),
+    ]
+
+
+def backoff_delays(
+    *,
+    initial_s: float = BACKOFF_INITIAL_S,
+    multiplier: float = BACKOFF_MULTIPLIER,
+    jitter: float = BACKOFF_JITTER,
+    max_s: float = BACKOFF_MAX_S,
+    rng: random.Random | None = None,
+) -> Iterator[float]:
+    """Delays between reconnect attempts: exponential with jitter, capped (endless)."""
+    rng = rng or random.Random()
+    current = initial_s
+    while True:
+        yield min(max_s, current) * (1.0 + rng.uniform(-jitter, jitter))
+        current = min(max_s, current * multiplier)

@@ -1,0 +1,18 @@
+-- A learner (re)joins: the first learner's parameter spec becomes the job's; later ones must
+-- match it. The newest incarnation of a learner id owns its lease.
+-- KEYS: spec, learners, learner, ema   ARGV: spec_json, id, incarnation, ttl_ms, step
+local stored = redis.call('GET', KEYS[1])
+if not stored then
+  redis.call('SET', KEYS[1], ARGV[1])
+  stored = ARGV[1]
+end
+if stored ~= ARGV[1] then return {'spec_mismatch', stored} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local previous = redis.call('HGET', KEYS[3], 'incarnation') or ''
+redis.call('HSET', KEYS[3], 'incarnation', ARGV[3], 'joined_ms', now, 'updated_ms', now,
+  'step', ARGV[5])
+redis.call('HINCRBY', KEYS[3], 'joins', 1)
+redis.call('HDEL', KEYS[4], ARGV[2])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[2])
+return {'ok', previous}

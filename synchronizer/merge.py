@@ -1,0 +1,90 @@
+"""The merge of one round and the outer step: pure functions over numpy arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One learner's outer gradient for a fragment, as the merge sees it."""
+
+    uid: str
+    learner: str
+    delta: np.ndarray
+    c_steps: int
+    c_tokens: int
+    base_version: int
+    compute_seconds: float
+
+
+def token_weight(c_tokens: int, c_steps: int) -> float:
+    """w = c_tokens^2 / c_steps: quantity (tokens) times quality (tokens per step)."""
+    if c_steps <= 0 or c_tokens <= 0:
+        return 0.0
+    return float(c_tokens) ** 2 / float(c_steps)
+
+
+def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    total = float(sum(weights))
+    if not deltas or total <= 0.0:
+        raise ValueError("a merge needs at least one contribution with positive weight")
+    out = np.zeros_like(deltas[0], dtype=np.float64)
+    for delta, weight in zip(deltas, weights, strict=True):
+        out += (weight / total) * delta
+    return out.astype(np.float32)
+
+
+def merge_contributions(contributions: Sequence[Contribution]) -> tuple[np.ndarray, list[float]]:
+    """The token-weighted mean outer gradient, and each contribution's weight."""
+    weights = [token_weight(c.c_tokens, c.c_steps) for c in contributions]
+    if sum(weights) <= 0.0:  # every learner reported zero tokens: fall back to a plain mean
+        weights = [1.0] * len(contributions)
+    return weighted_mean([c.delta for c in contributions], weights), weights
+
+
+@dataclass(frozen=True)
+class OuterOptimizer:
+    """Nesterov SGD on a flat fragment; its state travels as a list of float32 arrays."""
+
+    lr: float
+    momentum: float
+
+    @property
+    def _tx(self) -> optax.GradientTransformation:
+        return optax.sgd(learning_rate=self.lr, momentum=self.momentum, nesterov=True)
+
+    def init(self, theta: np.ndarray) -> list[np.ndarray]:
+        leaves = jax.tree.leaves(self._tx.init(jnp.asarray(theta)))
+        return [np.asarray(leaf, np.float32) for leaf in leaves]
+
+    def step(
+        self, theta: np.ndarray, state: list[np.ndarray], outer_gradient: np.ndarray
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Theta <- OuterOpt(Theta, Delta): Delta plays the gradient (base - theta)."""
+        new_theta, new_leaves = _compiled_step(self.lr, self.momentum)(
+            jnp.asarray(theta), [jnp.asarray(s) for s in state], jnp.asarray(outer_gradient)
+        )
+        return np.asarray(new_theta, np.float32), [np.asarray(s, np.float32) for s in new_leaves]
+
+
+@lru_cache(maxsize=8)
+def _compiled_step(lr: float, momentum: float) -> Any:
+    tx = optax.sgd(learning_rate=lr, momentum=momentum, nesterov=True)
+
+    @jax.jit
+    def step(theta: jax.Array, leaves: list[jax.Array], grad: jax.Array) -> Any:
+        treedef = jax.tree.structure(tx.init(theta))
+        state = jax.tree.unflatten(treedef, leaves)
+        updates, state = tx.update(grad, state, theta)
+        return optax.apply_updates(theta, updates), jax.tree.leaves(state)
+
+    return step

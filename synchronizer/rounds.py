@@ -1,0 +1,87 @@
+"""When a round of one fragment merges: minimum quorum, then the adaptive grace window.
+
+Pure functions over times in seconds; the caller supplies the clock (Redis's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def grace_window(
+    *,
+    overlap_steps: int,
+    step_time_s: float,
+    t_quorum_s: float,
+    t_sync_s: float,
+    gamma: float,
+) -> float:
+    """Paper Eq. 3: wait for stragglers only as long as the overlap hides it.
+
+    slack = tau*step_time - (t_quorum + t_sync); grace = gamma * max(0, slack).
+    """
+    slack = overlap_steps * step_time_s - (t_quorum_s + t_sync_s)
+    return gamma * max(0.0, slack)
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """What is known of one fragment's open round, as read from the store."""
+
+    contributors: int  # distinct learners with a pending update
+    live_learners: int
+    opened_at: float  # when the round opened (last commit or init)
+    quorum_at: float | None  # when the round first reached quorum
+    deadline: float | None  # when the grace window ends
+    now: float
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    mode: str  # "decoupled" or "sync"
+    quorum: int
+    overlap_steps: int
+    gamma: float
+    fixed_grace_s: float | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    merge_now: bool
+    # Set when the round reaches quorum now: the deadline to record, and the grace behind it.
+    new_deadline: float | None = None
+    grace_s: float | None = None
+
+
+def required_quorum(policy: RoundPolicy, live_learners: int) -> int:
+    """K: the policy's quorum, or every live learner in sync mode (at least one)."""
+    if policy.mode == "sync":
+        return max(1, live_learners)
+    return policy.quorum
+
+
+def decide(
+    state: RoundState, policy: RoundPolicy, *, slowest_step_s: float, t_sync_s: float
+) -> Decision:
+    if state.contributors == 0:
+        return Decision(merge_now=False)
+    k = required_quorum(policy, state.live_learners)
+    everyone_in = state.contributors >= max(1, state.live_learners)
+    if state.quorum_at is None:
+        if state.contributors < k:
+            return Decision(merge_now=False)
+        if policy.mode == "sync" or everyone_in:
+            grace = 0.0
+        elif policy.fixed_grace_s is not None:
+            grace = policy.fixed_grace_s
+        else:
+            grace = grace_window(
+                overlap_steps=policy.overlap_steps,
+                step_time_s=slowest_step_s,
+                t_quorum_s=max(0.0, state.now - state.opened_at),
+                t_sync_s=t_sync_s,
+                gamma=policy.gamma,
+            )
+        return Decision(merge_now=grace <= 0.0, new_deadline=state.now + grace, grace_s=grace)
+    deadline = state.deadline if state.deadline is not None else state.quorum_at
+    return Decision(merge_now=everyone_in or state.now >= deadline)

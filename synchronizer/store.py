@@ -1,0 +1,381 @@
+"""Where the synchronizer's state lives: the store interface and its Redis implementation.
+
+Every key of a job shares the `{job}` hash tag (Redis Cluster safe), and every
+check-and-set is one Lua script (see `lua/`), so any replica may act on any fragment.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+import numpy as np
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+
+from synchronizer.rounds import RoundState
+
+SUPPORTED_SCHEMES = ("redis", "rediss", "unix")
+
+
+class StoreError(RuntimeError):
+    """The store refused or could not do what was asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    status: str  # accepted | duplicate | uninitialized | future | stale
+    version: int
+    contributors: int
+
+
+@dataclass(frozen=True)
+class PendingUpdate:
+    uid: str
+    meta: dict[str, Any]
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class FragmentState:
+    version: int
+    theta: np.ndarray
+    opt_state: list[np.ndarray]
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A merged round, ready to be committed under the merge lease."""
+
+    fragment: int
+    token: int
+    expected_version: int
+    theta: np.ndarray
+    opt_state: list[np.ndarray]
+    uids: list[str]
+    useful_seconds: float
+    tokens_merged: float
+    stale_folded: int
+    t_sync_s: float
+    log_entry: dict[str, Any]
+
+
+class Store(Protocol):
+    """What the synchronizer needs of its state backend (Redis is the implementation)."""
+
+    async def ping(self) -> bool: ...
+    async def close(self) -> None: ...
+    async def job_config(self, proposed: dict[str, Any]) -> dict[str, Any]: ...
+    async def spec(self) -> str | None: ...
+    async def register_spec(self, spec_json: str) -> str: ...
+    async def hello(
+        self, spec_json: str, learner: str, incarnation: str, ttl_s: float, step: int
+    ) -> tuple[bool, str]: ...
+    async def heartbeat(
+        self, learner: str, incarnation: str, ttl_s: float, **fields: float
+    ) -> bool: ...
+    async def leave(self, learner: str, incarnation: str) -> None: ...
+    async def learners(self) -> dict[str, dict[str, str]]: ...
+    async def is_initialized(self) -> bool: ...
+    async def initialize(
+        self, thetas: list[np.ndarray], opt_states: list[list[np.ndarray]]
+    ) -> bool: ...
+    async def versions(self, fragments: int) -> list[int]: ...
+    async def fragment(self, index: int) -> FragmentState: ...
+    async def global_value(self, index: int) -> tuple[int, bytes]: ...
+    async def submit(
+        self,
+        fragment: int,
+        uid: str,
+        learner: str,
+        seq: int,
+        base_version: int,
+        max_staleness: int,
+        payload: bytes,
+        meta: dict[str, Any],
+    ) -> SubmitResult: ...
+    async def round_state(self, fragment: int) -> tuple[RoundState, float, float]: ...
+    async def mark_quorum(self, fragment: int, grace_s: float) -> None: ...
+    async def acquire_merge_lease(self, fragment: int, ttl_s: float) -> int: ...
+    async def release_merge_lease(self, fragment: int, token: int) -> None: ...
+    async def pending(self, fragment: int) -> list[PendingUpdate]: ...
+    async def commit(self, commit: Commit) -> tuple[str, int]: ...
+    async def add_stats(self, **increments: float) -> None: ...
+    async def stats(self) -> dict[str, float]: ...
+    async def commit_log(self, fragment: int) -> list[dict[str, Any]]: ...
+    async def subscribe_commits(self) -> Any: ...
+
+
+def _b(value: object) -> bytes:
+    """A Redis reply as bytes (the client runs with decode_responses=False)."""
+    if not isinstance(value, bytes):
+        raise StoreError(f"unexpected reply from Redis: {value!r}")
+    return value
+
+
+def _pack(arrays: list[np.ndarray]) -> bytes:
+    return b"".join(np.ascontiguousarray(a, "<f4").tobytes() for a in arrays)
+
+
+def _unpack(blob: bytes, size: int) -> list[np.ndarray]:
+    flat = np.frombuffer(blob, "<f4")
+    return [flat[i : i + size].copy() for i in range(0, flat.size, size)] if size else []
+
+
+class RedisStore:
+    """The real store: one Redis (or a Redis Cluster slot, through the `{job}` hash tag)."""
+
+    def __init__(self, client: aioredis.Redis, job: str) -> None:
+        self._r = client
+        self._prefix = f"atoll:{{{job}}}:"
+        lua = resources.files("synchronizer") / "lua"
+        self._scripts: dict[str, AsyncScript] = {
+            path.name.removesuffix(".lua"): client.register_script(path.read_text())
+            for path in lua.iterdir()
+            if path.name.endswith(".lua")
+        }
+
+    def key(self, *parts: object) -> str:
+        return self._prefix + ":".join(str(p) for p in parts)
+
+    async def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        return await self._scripts[script](keys=keys, args=args)
+
+    async def spec(self) -> str | None:
+        """The job's parameter spec (JSON), if a learner or checkpoint has set it."""
+        stored = await self._r.get(self.key("spec"))
+        return None if stored is None else _b(stored).decode()
+
+    async def ping(self) -> bool:
+        return bool(await self._r.ping())
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    async def job_config(self, proposed: dict[str, Any]) -> dict[str, Any]:
+        """The job's config: set by the first replica, then the same for every replica."""
+        encoded = json.dumps(proposed, sort_keys=True)
+        await self._r.set(self.key("config"), encoded, nx=True)
+        stored = await self._r.get(self.key("config"))
+        return dict(json.loads(_b(stored)))
+
+    async def hello(
+        self, spec_json: str, learner: str, incarnation: str, ttl_s: float, step: int
+    ) -> tuple[bool, str]:
+        reply = await self._run(
+            "hello",
+            [self.key("spec"), self.key("learners"), self.key("learner", learner), self.key("ema")],
+            [spec_json, learner, incarnation, int(ttl_s * 1000), step],
+        )
+        status, detail = _b(reply[0]), _b(reply[1])
+        return status == b"ok", detail.decode()
+
+    async def heartbeat(
+        self, learner: str, incarnation: str, ttl_s: float, **fields: float
+    ) -> bool:
+        args = [learner, incarnation, int(ttl_s * 1000)]
+        args += [repr(float(fields[k])) for k in ("step", "ema", "tokens_s", "loss", "eval_loss")]
+        keys = [self.key("learners"), self.key("learner", learner), self.key("ema")]
+        return bool(await self._run("heartbeat", keys, args))
+
+    async def leave(self, learner: str, incarnation: str) -> None:
+        await self._run(
+            "leave", [self.key("learners"), self.key("learner", learner)], [learner, incarnation]
+        )
+
+    async def learners(self) -> dict[str, dict[str, str]]:
+        """Every learner slot ever seen, with its last heartbeat fields and lease expiry."""
+        entries: list[Any] = await self._r.zrange(self.key("learners"), 0, -1, withscores=True)
+        out: dict[str, dict[str, str]] = {}
+        for raw_name, score in entries:
+            name = _b(raw_name).decode()
+            raw = await self._r.hgetall(self.key("learner", name))
+            fields = {_b(k).decode(): _b(v).decode() for k, v in raw.items()}
+            fields["lease_expiry_ms"] = str(int(score))
+            out[name] = fields
+        return out
+
+    async def is_initialized(self) -> bool:
+        return bool(await self._r.exists(self.key("init")))
+
+    async def initialize(
+        self, thetas: list[np.ndarray], opt_states: list[list[np.ndarray]]
+    ) -> bool:
+        p = len(thetas)
+        keys = [self.key("init")]
+        keys += [self.key("frag", i) for i in range(p)] + [self.key("round", i) for i in range(p)]
+        args: list[Any] = [p, *(_pack([t]) for t in thetas), *(_pack(s) for s in opt_states)]
+        return bool(await self._run("init", keys, args))
+
+    async def versions(self, fragments: int) -> list[int]:
+        async with self._r.pipeline(transaction=False) as pipe:
+            for i in range(fragments):
+                pipe.hget(self.key("frag", i), "version")
+            raw = await pipe.execute()
+        return [int(v) if v is not None else 0 for v in raw]
+
+    async def fragment(self, index: int) -> FragmentState:
+        version, theta, opt = await self._r.hmget(
+            self.key("frag", index), "version", "theta", "opt"
+        )
+        if version is None:
+            raise StoreError(
+                f"fragment {index} has no global value yet: the job is not initialized"
+            )
+        flat = np.frombuffer(_b(theta), "<f4").copy()
+        return FragmentState(int(version), flat, _unpack(_b(opt), flat.size))
+
+    async def global_value(self, index: int) -> tuple[int, bytes]:
+        version, theta = await self._r.hmget(self.key("frag", index), "version", "theta")
+        if version is None:
+            raise StoreError(
+                f"fragment {index} has no global value yet: the job is not initialized"
+            )
+        return int(version), _b(theta)
+
+    async def submit(
+        self,
+        fragment: int,
+        uid: str,
+        learner: str,
+        seq: int,
+        base_version: int,
+        max_staleness: int,
+        payload: bytes,
+        meta: dict[str, Any],
+    ) -> SubmitResult:
+        incarnation = meta["incarnation"]
+        keys = [
+            self.key("frag", fragment),
+            self.key("pend", fragment),
+            self.key("pmeta", fragment),
+            self.key("contrib", fragment),
+            self.key("seen", learner, incarnation),
+            self.key("stats"),
+        ]
+        args = [uid, learner, seq, base_version, max_staleness, payload, json.dumps(meta)]
+        status, version, contributors = await self._run("submit", keys, args)
+        return SubmitResult(status.decode(), int(version), int(contributors))
+
+    async def round_state(self, fragment: int) -> tuple[RoundState, float, float]:
+        """The round's state, the slowest live learner's step-time EMA and the t_sync EMA."""
+        keys = [
+            self.key("round", fragment),
+            self.key("contrib", fragment),
+            self.key("learners"),
+            self.key("ema"),
+            self.key("stats"),
+        ]
+        now, opened, quorum, deadline, contrib, live, slowest, t_sync = await self._run(
+            "round_state", keys, []
+        )
+        ms = 1000.0
+        state = RoundState(
+            contributors=int(contrib),
+            live_learners=int(live),
+            opened_at=float(opened) / ms,
+            quorum_at=float(quorum) / ms if quorum else None,
+            deadline=float(deadline) / ms if deadline else None,
+            now=float(now) / ms,
+        )
+        return state, float(slowest), float(t_sync)
+
+    async def mark_quorum(self, fragment: int, grace_s: float) -> None:
+        await self._run("quorum", [self.key("round", fragment)], [int(grace_s * 1000)])
+
+    async def acquire_merge_lease(self, fragment: int, ttl_s: float) -> int:
+        keys = [self.key("lease", fragment), self.key("fence")]
+        return int(await self._run("lease", keys, [max(1, int(ttl_s * 1000))]))
+
+    async def release_merge_lease(self, fragment: int, token: int) -> None:
+        await self._run("release", [self.key("lease", fragment)], [token])
+
+    async def register_spec(self, spec_json: str) -> str:
+        """Set the job's parameter spec if none is set yet; return the job's spec."""
+        await self._r.set(self.key("spec"), spec_json, nx=True)
+        return _b(await self._r.get(self.key("spec"))).decode()
+
+    async def pending(self, fragment: int) -> list[PendingUpdate]:
+        metas = await self._r.hgetall(self.key("pmeta", fragment))
+        if not metas:
+            return []
+        uids = sorted(metas)
+        payloads = await self._r.hmget(self.key("pend", fragment), uids)
+        return [
+            PendingUpdate(_b(uid).decode(), json.loads(metas[uid]), _b(payload))
+            for uid, payload in zip(uids, payloads, strict=True)
+            if payload is not None
+        ]
+
+    async def commit(self, commit: Commit) -> tuple[str, int]:
+        p = commit.fragment
+        keys = [
+            self.key("frag", p),
+            self.key("pend", p),
+            self.key("pmeta", p),
+            self.key("contrib", p),
+            self.key("round", p),
+            self.key("lease", p),
+            self.key("log", p),
+            self.key("stats"),
+        ]
+        args: list[Any] = [
+            commit.token,
+            commit.expected_version,
+            _pack([commit.theta]),
+            _pack(commit.opt_state),
+            len(commit.uids),
+            *commit.uids,
+            repr(commit.useful_seconds),
+            repr(commit.tokens_merged),
+            commit.stale_folded,
+            repr(commit.t_sync_s),
+            json.dumps(commit.log_entry),
+            self.commits_channel(),
+            p,
+        ]
+        status, version = await self._run("commit", keys, args)
+        return status.decode(), int(version)
+
+    async def add_stats(self, **increments: float) -> None:
+        async with self._r.pipeline(transaction=False) as pipe:
+            for name, value in increments.items():
+                if value:
+                    pipe.hincrbyfloat(self.key("stats"), name, value)
+            await pipe.execute()
+
+    async def stats(self) -> dict[str, float]:
+        raw = await self._r.hgetall(self.key("stats"))
+        return {_b(k).decode(): float(v) for k, v in raw.items()}
+
+    async def commit_log(self, fragment: int) -> list[dict[str, Any]]:
+        return [json.loads(e) for e in await self._r.lrange(self.key("log", fragment), 0, -1)]
+
+    def commits_channel(self) -> str:
+        return self.key("commits")
+
+    async def subscribe_commits(self) -> Any:
+        pubsub = self._r.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(self.commits_channel())
+        return pubsub
+
+
+def open_store(url: str, job: str) -> Store:
+    """The store named by `url`; only Redis is implemented (`redis://`, `rediss://`, `unix://`)."""
+    scheme = urlparse(url).scheme
+    if scheme not in SUPPORTED_SCHEMES:
+        raise StoreError(
+            f"unsupported store URL {url!r}: use redis://HOST:PORT/DB, rediss://... or "
+            "unix:///path/to/redis.sock"
+        )
+    client = aioredis.Redis.from_url(
+        url,
+        decode_responses=False,
+        socket_timeout=10,
+        socket_connect_timeout=5,
+        health_check_interval=5,
+    )
+    return RedisStore(client, job)
