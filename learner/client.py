@@ -33,6 +33,7 @@ from services.wire import ChunkAssembler, make_header, split
 
 log = structlog.get_logger("atoll.learner.client")
 GRPC_FRAME_OVERHEAD = 5
+RESEND_DELAY_S = 0.5
 
 
 class SessionError(RuntimeError):
@@ -329,10 +330,7 @@ class SynchronizerClient:
                 if kind == "welcome":
                     self._on_welcome(message.welcome, outbox, first)
                 elif kind == "ack":
-                    with self._lock:
-                        self.stats.acks[message.ack.seq] = message.ack
-                        self._unacked.pop(message.ack.seq, None)
-                        self._lock.notify_all()
+                    self._on_ack(message.ack, outbox)
                 elif kind == "fragment":
                     got = self._assemble(assembler, message.fragment)
                     if got is not None:
@@ -342,6 +340,27 @@ class SynchronizerClient:
         finally:
             outbox.put(None)
             responses.cancel()  # type: ignore[no-untyped-call]
+
+    def _on_ack(
+        self, ack: session_pb2.Ack, outbox: queue.Queue[session_pb2.LearnerMessage | None]
+    ) -> None:
+        if ack.code == grpc.StatusCode.UNAVAILABLE.value[0]:
+            # The synchronizer could not store it: send it again shortly, same seq.
+            def resend() -> None:
+                with self._lock:
+                    out = self._unacked.get(ack.seq)
+                if out is not None and not self._closed.is_set():
+                    for chunk in out.chunks:
+                        outbox.put(session_pb2.LearnerMessage(update=chunk))
+
+            timer = threading.Timer(RESEND_DELAY_S, resend)
+            timer.daemon = True
+            timer.start()
+            return
+        with self._lock:
+            self.stats.acks[ack.seq] = ack
+            self._unacked.pop(ack.seq, None)
+            self._lock.notify_all()
 
     def _on_welcome(
         self,

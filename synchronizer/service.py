@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 import structlog
+from redis.exceptions import RedisError
 
 from services import codec as codecs
 from services import telemetry as tm
@@ -75,6 +76,7 @@ class Connection:
         default_factory=asyncio.Queue
     )
     sent_versions: dict[int, int] = field(default_factory=dict)
+    rejected_seq: int = -1
 
     def send(self, message: session_pb2.SynchronizerMessage) -> None:
         if self.outbox.qsize() > OUTBOX_LIMIT:
@@ -294,6 +296,8 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
     async def _update(
         self, conn: Connection, assembler: ChunkAssembler, chunk: session_pb2.UpdateChunk
     ) -> session_pb2.Ack | None:
+        if chunk.seq == conn.rejected_seq:
+            return None  # the rest of an update already refused: one refusal per update
         try:
             if self.layout is None:
                 raise Rejection("bad_request", grpc.StatusCode.FAILED_PRECONDITION, "no job spec")
@@ -309,6 +313,7 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             check_payload(header, codec, payload)
         except Rejection as rejection:
             assembler.reset()
+            conn.rejected_seq = chunk.seq
             tm.UPDATES_REJECTED.labels(reason=rejection.reason).inc()
             log.info(
                 "update_rejected",
@@ -322,9 +327,18 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
                 code=rejection.code.value[0],
                 reason=rejection.message,
             )
-        if chunk.kind == session_pb2.UPDATE_KIND_INITIAL:
-            return await self._initial_fragment(conn, chunk, payload)
-        return await self._submit(conn, chunk, payload)
+        try:
+            if chunk.kind == session_pb2.UPDATE_KIND_INITIAL:
+                return await self._initial_fragment(conn, chunk, payload)
+            return await self._submit(conn, chunk, payload)
+        except (RedisError, StoreError, OSError) as err:
+            log.warning("store_unavailable", learner=conn.learner, error=str(err))
+            return session_pb2.Ack(
+                seq=chunk.seq,
+                status=session_pb2.ACK_STATUS_REJECTED,
+                code=grpc.StatusCode.UNAVAILABLE.value[0],
+                reason="the synchronizer cannot reach its store right now; resend the update",
+            )
 
     async def _initial_fragment(
         self, conn: Connection, chunk: session_pb2.UpdateChunk, payload: bytes
@@ -462,30 +476,41 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
                 yield chunk
 
     async def broadcast_forever(self) -> None:
-        """Push every committed fragment to the learners this replica serves."""
-        pubsub = await self.store.subscribe_commits()
-        try:
-            while True:
-                message = await pubsub.get_message(timeout=1.0)
-                if message is None:
-                    continue
-                event = json.loads(message["data"])
-                p = int(event["fragment"])
-                if self.layout is None:
-                    await self.load_known_spec()
-                tm.FRAGMENT_VERSION.labels(fragment=str(p)).set(int(event["version"]))
-                if not self.connections:
-                    continue
-                chunks = await self.fragment_chunks(p)
-                version = chunks[0].version
-                for conn in list(self.connections.values()):
-                    if conn.sent_versions.get(p, -1) >= version:
-                        continue
-                    conn.sent_versions[p] = version
-                    for chunk in chunks:
-                        conn.send(session_pb2.SynchronizerMessage(fragment=chunk))
-        finally:
-            await pubsub.aclose()
+        """Push every committed fragment to the learners this replica serves.
+
+        If the store goes away the subscription is renewed, and every fragment is pushed
+        again once it is back, so no commit made meanwhile goes unannounced.
+        """
+        while True:
+            try:
+                pubsub = await self.store.subscribe_commits()
+                try:
+                    for p in range(self._num_fragments()):
+                        await self._push(p)
+                    while True:
+                        message = await pubsub.get_message(timeout=1.0)
+                        if message is not None:
+                            await self._push(int(json.loads(message["data"])["fragment"]))
+                finally:
+                    await pubsub.aclose()
+            except (RedisError, StoreError, OSError) as err:
+                log.warning("broadcast_interrupted", error=str(err))
+                await asyncio.sleep(0.5)
+
+    async def _push(self, fragment: int) -> None:
+        if self.layout is None:
+            await self.load_known_spec()
+        if not self.connections or not await self.store.is_initialized():
+            return
+        chunks = await self.fragment_chunks(fragment)
+        version = chunks[0].version
+        tm.FRAGMENT_VERSION.labels(fragment=str(fragment)).set(version)
+        for conn in list(self.connections.values()):
+            if conn.sent_versions.get(fragment, -1) >= version:
+                continue
+            conn.sent_versions[fragment] = version
+            for chunk in chunks:
+                conn.send(session_pb2.SynchronizerMessage(fragment=chunk))
 
     async def flush_stats(self) -> None:
         """Add the bytes counted since the last flush to the job's totals in the store."""

@@ -1,0 +1,54 @@
+import pytest
+
+from synchronizer.rounds import RoundPolicy, RoundState, decide, grace_window, required_quorum
+
+POLICY = RoundPolicy(mode="decoupled", quorum=2, overlap_steps=10, gamma=0.8, fixed_grace_s=None)
+
+
+def state(contributors: int, live: int = 4, **kw: float | None) -> RoundState:
+    base = {"opened_at": 100.0, "quorum_at": None, "deadline": None, "now": 101.0}
+    base.update(kw)
+    return RoundState(contributors=contributors, live_learners=live, **base)  # type: ignore[arg-type]
+
+
+def test_grace_window_is_eq3() -> None:
+    # slack = tau*step - (t_quorum + t_sync) = 10*0.5 - (1.0 + 0.2) = 3.8; grace = 0.8*3.8
+    assert grace_window(
+        overlap_steps=10, step_time_s=0.5, t_quorum_s=1.0, t_sync_s=0.2, gamma=0.8
+    ) == pytest.approx(3.04)
+    # No slack left: no grace.
+    assert (
+        grace_window(overlap_steps=2, step_time_s=0.1, t_quorum_s=1.0, t_sync_s=0.2, gamma=0.8) == 0
+    )
+
+
+def test_no_merge_below_quorum() -> None:
+    assert not decide(state(1), POLICY, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+
+
+def test_quorum_opens_the_adaptive_grace_window() -> None:
+    d = decide(state(2), POLICY, slowest_step_s=0.5, t_sync_s=0.2)
+    assert not d.merge_now
+    assert d.grace_s == pytest.approx(0.8 * (10 * 0.5 - (1.0 + 0.2)))
+    assert d.new_deadline == pytest.approx(101.0 + d.grace_s)
+
+
+def test_merge_when_the_grace_window_ends_or_everyone_is_in() -> None:
+    waiting = state(2, quorum_at=101.0, deadline=104.0, now=103.0)
+    assert not decide(waiting, POLICY, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+    ended = state(2, quorum_at=101.0, deadline=104.0, now=104.0)
+    assert decide(ended, POLICY, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+    everyone = state(4, quorum_at=101.0, deadline=104.0, now=102.0)
+    assert decide(everyone, POLICY, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+
+
+def test_fixed_grace_overrides_eq3() -> None:
+    policy = RoundPolicy("decoupled", 2, 10, 0.8, fixed_grace_s=0.0)
+    assert decide(state(2), policy, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+
+
+def test_sync_mode_waits_for_every_live_learner_without_grace() -> None:
+    policy = RoundPolicy("sync", 1, 10, 0.8, None)
+    assert required_quorum(policy, 4) == 4
+    assert not decide(state(3), policy, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+    assert decide(state(4), policy, slowest_step_s=0.5, t_sync_s=0.2).merge_now

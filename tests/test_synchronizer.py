@@ -1,0 +1,296 @@
+"""The synchronizer service over real gRPC and a real Redis."""
+
+from __future__ import annotations
+
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.processes import synchronizer_child
+from cluster.redis_server import RedisServer
+from learner.client import SessionError
+from services import codec as codecs
+from services.gen.atoll.v1 import fragment_pb2, session_pb2
+from tests import support
+from tests.conftest import SpawnSynchronizer
+
+
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or (
+            line.startswith(name + "{") and line.split(" ")[0] == name
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="atoll.v1.Synchronizer"), timeout=5
+        )
+    return int(reply.status)
+
+
+def wait_until(predicate: object, timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_health_serving_and_metrics(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer()
+    wait_until(lambda: health(sync.address) == health_pb2.HealthCheckResponse.SERVING)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{sync.metrics_port}/metrics").read().decode()
+    for name in (
+        "atoll_learners_connected",
+        "atoll_updates_rejected_total",
+        "atoll_bytes_total",
+        "atoll_redis_up",
+    ):
+        assert name in text
+    redis_server.stop()
+    wait_until(
+        lambda: health(sync.address) == health_pb2.HealthCheckResponse.NOT_SERVING,
+        what="NOT_SERVING after Redis stopped",
+    )
+
+
+def test_quorum_two_of_three_and_a_late_update_is_folded_into_the_next_round(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer("--fragments", "2", "--quorum", "2", "--grace-seconds", "0")
+    c0, c1, c2 = (support.client([sync.address], f"l{i}") for i in range(3))
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c0, 2)
+        c0.wait_ack(support.send_delta(c0, 0, 2, 0, seed=1), 10)
+        time.sleep(0.5)
+        assert support.version(r, 0) == 0, "one update of K=2 must not merge"
+        c2.wait_ack(support.send_delta(c2, 0, 2, 0, seed=3), 10)
+        wait_until(lambda: support.version(r, 0) == 1, what="the round to merge at quorum")
+        assert support.version(r, 0) == 1
+        first = support.commit_log(r, 0)[0]
+        assert sorted(first["learners"]) == ["l0", "l2"]  # type: ignore[arg-type]
+        # c1 is late: its update (base version 0) arrives after the round merged.
+        c1.wait_ack(support.send_delta(c1, 0, 2, 0, seed=2), 10)
+        time.sleep(0.3)
+        assert support.version(r, 0) == 1, "the late update alone is below quorum"
+        c0.wait_ack(support.send_delta(c0, 0, 2, 1, seed=4), 10)
+        wait_until(lambda: support.version(r, 0) == 2, what="second round")
+        second = support.commit_log(r, 0)[1]
+        assert sorted(second["learners"]) == ["l0", "l1"]  # type: ignore[arg-type]
+        assert sorted(second["base_versions"]) == [0, 1]  # type: ignore[arg-type]
+        assert int(r.hget(support.key("stats"), "stale_folded") or 0) == 1
+    finally:
+        for c in (c0, c1, c2):
+            c.close()
+
+
+def test_a_retried_update_is_acknowledged_and_not_applied_twice(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer("--fragments", "2", "--grace-seconds", "0")
+    c = support.client([sync.address], "l0")
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c, 2)
+        n = support.layout(2).fragments[1].num_elements
+        payload = codecs.by_name("int8").encode(np.ones(n, np.float32), 256)
+        chunks = support.chunks_for(
+            1, payload, codec=fragment_pb2.CODEC_INT8, block_size=256, num_elements=n, seq=500
+        )
+        c.send_raw(chunks)
+        assert c.wait_ack(500, 10).status == session_pb2.ACK_STATUS_ACCEPTED
+        wait_until(lambda: support.version(r, 1) == 1)
+        theta = r.hget(support.key("frag", 1), "theta")
+        c.stats.acks.pop(500)
+        c.send_raw(chunks)
+        assert c.wait_ack(500, 10).status == session_pb2.ACK_STATUS_DUPLICATE
+        time.sleep(0.5)
+        assert support.version(r, 1) == 1
+        assert r.hget(support.key("frag", 1), "theta") == theta
+        assert [e["uids"] for e in support.commit_log(r, 1)] == [[f"l0/{c.incarnation}/500"]]
+        assert int(r.hget(support.key("stats"), "updates_accepted") or 0) == 1
+        assert metric(sync.metrics_port, "atoll_updates_duplicate_total") == 1
+    finally:
+        c.close()
+
+
+N0 = support.layout(2).fragments[0].num_elements
+
+
+def _int8(n: int = N0, value: float = 1.0) -> bytes:
+    return codecs.by_name("int8").encode(np.full(n, value, np.float32), 256)
+
+
+def _flip(chunks: list[session_pb2.UpdateChunk]) -> list[session_pb2.UpdateChunk]:
+    chunks[0].data = bytes([chunks[0].data[0] ^ 0xFF]) + chunks[0].data[1:]
+    return chunks
+
+
+def _nan_fp32() -> bytes:
+    v = np.zeros(N0, np.float32)
+    v[5] = np.nan
+    return v.tobytes()
+
+
+INT8 = {"codec": fragment_pb2.CODEC_INT8, "block_size": 256}
+BAD_INPUTS = {
+    "unknown_fragment": (
+        lambda s: support.chunks_for(7, _int8(), num_elements=N0, seq=s, **INT8),
+        "does not exist",
+    ),
+    "shape_mismatch": (
+        lambda s: support.chunks_for(0, _int8(N0 - 1), num_elements=N0 - 1, seq=s, **INT8),
+        "holds",
+    ),
+    "bad_codec": (
+        lambda s: support.chunks_for(
+            0, _int8(), codec=fragment_pb2.CODEC_INT4, block_size=256, num_elements=N0, seq=s
+        ),
+        "not supported",
+    ),
+    "bad_codec_params": (
+        lambda s: support.chunks_for(
+            0, _int8(), codec=fragment_pb2.CODEC_INT8, block_size=0, num_elements=N0, seq=s
+        ),
+        "block_size 0",
+    ),
+    "checksum": (
+        lambda s: _flip(support.chunks_for(0, _int8(), num_elements=N0, seq=s, **INT8)),
+        "checksum",
+    ),
+    "out_of_order": (
+        lambda s: support.chunks_for(0, _int8(), num_elements=N0, seq=s, **INT8)[::-1],
+        "out of order",
+    ),
+    "non_finite": (
+        lambda s: support.chunks_for(
+            0, _nan_fp32(), codec=fragment_pb2.CODEC_FP32, block_size=0, num_elements=N0, seq=s
+        ),
+        "NaN",
+    ),
+    "stale": (
+        lambda s: support.chunks_for(0, _int8(), num_elements=N0, seq=s, base_version=99, **INT8),
+        "newer than",
+    ),
+}
+REASON = {"bad_codec_params": "bad_codec", "stale": "bad_request"}
+
+
+@pytest.fixture
+def bad_input_setup(spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer) -> object:
+    sync = spawn_synchronizer("--fragments", "2", "--grace-seconds", "0")
+    c = support.client([sync.address], "l0")
+    support.initialize(c, 2)
+    yield sync, c, redis.Redis(port=redis_server.port)
+    c.close()
+
+
+def test_each_bad_input_is_refused_with_a_reason_and_changes_nothing(
+    bad_input_setup: object,
+) -> None:
+    sync, c, r = bad_input_setup  # type: ignore[misc]
+    before = {p: r.hgetall(support.key("frag", p)) for p in range(2)}
+    for seq, (case, (build, words)) in enumerate(BAD_INPUTS.items(), start=100):
+        reason = REASON.get(case, case)
+        counted = metric(sync.metrics_port, f'atoll_updates_rejected_total{{reason="{reason}"}}')
+        c.send_raw(build(seq))
+        ack = c.wait_ack(seq, 10)
+        assert ack.status == session_pb2.ACK_STATUS_REJECTED, case
+        assert ack.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], case
+        assert words in ack.reason, (case, ack.reason)
+        after = metric(sync.metrics_port, f'atoll_updates_rejected_total{{reason="{reason}"}}')
+        assert after == counted + 1, case
+    time.sleep(0.5)
+    assert {p: r.hgetall(support.key("frag", p)) for p in range(2)} == before
+    assert r.hlen(support.key("pmeta", 0)) == 0
+    # The session survived every refusal: a good update still goes through.
+    assert c.wait_ack(support.send_delta(c, 0, 2, 0), 10).status == session_pb2.ACK_STATUS_ACCEPTED
+
+
+def test_stale_updates_are_refused(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer("--fragments", "2", "--grace-seconds", "0", "--max-staleness", "1")
+    c = support.client([sync.address], "l0")
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c, 2)
+        for v in range(3):
+            c.wait_ack(support.send_delta(c, 0, 2, v, seed=v), 10)
+            wait_until(lambda v=v: support.version(r, 0) == v + 1)  # type: ignore[misc]
+        ack = c.wait_ack(support.send_delta(c, 0, 2, 0), 10)
+        assert ack.status == session_pb2.ACK_STATUS_REJECTED
+        assert ack.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        assert "fetch the fragment" in ack.reason
+        assert support.version(r, 0) == 3
+    finally:
+        c.close()
+
+
+def test_a_different_model_or_job_is_refused_at_hello(
+    spawn_synchronizer: SpawnSynchronizer,
+) -> None:
+    sync = spawn_synchronizer("--fragments", "2")
+    c = support.client([sync.address], "l0")
+    try:
+        from learner.client import SynchronizerClient
+        from services.layout import LeafSpec
+
+        other = SynchronizerClient(
+            [sync.address],
+            job="default",
+            learner_id="x",
+            incarnation="i",
+            params=[LeafSpec("w", (3, 3)), LeafSpec("v", (3,))],
+        )
+        with pytest.raises(SessionError, match="model differs"):
+            other.connect()
+        wrong_job = SynchronizerClient(
+            [sync.address], job="other", learner_id="y", incarnation="j", params=support.SPECS
+        )
+        with pytest.raises(SessionError, match="serves job"):
+            wrong_job.connect()
+    finally:
+        c.close()
+
+
+def test_redis_restarted_with_aof_loses_no_committed_version(tmp_path: Path) -> None:
+    with RedisServer(tmp_path / "redis", appendonly=True) as server:
+        sync = synchronizer_child(
+            tmp_path, server.url, "sync-0", ["--fragments", "2", "--grace-seconds", "0"]
+        ).start_and_wait()
+        c = support.client([sync.address], "l0")
+        r = redis.Redis(port=server.port)
+        try:
+            support.initialize(c, 2)
+            for v in range(3):
+                c.wait_ack(support.send_delta(c, 0, 2, v, seed=v), 10)
+                wait_until(lambda v=v: support.version(r, 0) == v + 1)  # type: ignore[misc]
+            theta = r.hget(support.key("frag", 0), "theta")
+            server.restart(signal.SIGKILL)
+            r = redis.Redis(port=server.port)
+            assert support.version(r, 0) == 3
+            assert r.hget(support.key("frag", 0), "theta") == theta
+            assert [e["version"] for e in support.commit_log(r, 0)] == [1, 2, 3]
+            # The replica carries on against the restarted Redis.
+            c.wait_ack(support.send_delta(c, 0, 2, 3, seed=9), 30)
+            wait_until(lambda: support.version(r, 0) == 4, timeout=30, what="commit after restart")
+        finally:
+            c.close()
+            sync.stop()
