@@ -27,10 +27,24 @@ class SynchronizerBench(_Output):
         run(self)
 
 
+class RawSink(BaseModel):
+    """Internal: the bare gRPC sink that `bench synchronizer` measures against."""
+
+    port_file: Path = Field(description="write the bound port here (JSON)")
+
+    def cli_cmd(self) -> None:
+        from bench.synchronizer_bench import serve_raw_sink
+
+        serve_raw_sink(self.port_file)
+
+
 class BenchCommand(AtollSettings):
     """Benchmarks; each writes its figures as JSON with --json PATH."""
 
-    synchronizer: CliSubCommand[SynchronizerBench]
+    synchronizer: CliSubCommand[SynchronizerBench] = Field(
+        description="synchronizer ingest against raw gRPC streaming of the same bytes"
+    )
+    raw_sink: CliSubCommand[RawSink] = Field(description="internal: raw gRPC sink")
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

@@ -21,18 +21,15 @@ import numpy as np
 import structlog
 
 from services import telemetry as tm
-from services.gen.atoll.v1 import (
-    fragment_pb2,
-    session_pb2,
-    synchronizer_pb2,
-    synchronizer_pb2_grpc,
-)
+from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.grpcopts import backoff_delays, channel_options
 from services.layout import LeafSpec
 from services.wire import ChunkAssembler, make_header, split
+from services.wirecount import counting_parser, counting_serializer
+
+SERVICE = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
 
 log = structlog.get_logger("atoll.learner.client")
-GRPC_FRAME_OVERHEAD = 5
 RESEND_DELAY_S = 0.5
 
 
@@ -237,13 +234,19 @@ class SynchronizerClient:
     def fetch_state(self, fragments: Sequence[int] = ()) -> list[GlobalFragment]:
         """The current global value of `fragments` (all if empty), over the unary stream."""
         assert self._channel is not None, "connect() first"
-        stub = synchronizer_pb2_grpc.SynchronizerStub(self._channel)
+        fetch = self._channel.unary_stream(
+            f"/{SERVICE}/FetchState",
+            request_serializer=counting_serializer(
+                synchronizer_pb2.FetchStateRequest.SerializeToString, self._count_up
+            ),
+            response_deserializer=counting_parser(
+                fragment_pb2.GlobalFragmentChunk.FromString, self._count_down
+            ),
+        )
         request = synchronizer_pb2.FetchStateRequest(job=self.job, fragments=list(fragments))
-        self.stats.bytes_up += request.ByteSize() + GRPC_FRAME_OVERHEAD
         out: list[GlobalFragment] = []
         assembler = ChunkAssembler()
-        for chunk in stub.FetchState(request, timeout=120):
-            self._count_down(chunk)
+        for chunk in fetch(request, timeout=120):
             got = self._assemble(assembler, chunk)
             if got is not None:
                 out.append(got)
@@ -254,8 +257,11 @@ class SynchronizerClient:
         return out
 
     # --- the session thread -------------------------------------------------------------
-    def _count_down(self, message: object) -> None:
-        size = int(message.ByteSize()) + GRPC_FRAME_OVERHEAD  # type: ignore[attr-defined]
+    def _count_up(self, size: int) -> None:
+        self.stats.bytes_up += size
+        tm.LEARNER_BYTES.labels(direction="up").inc(size)
+
+    def _count_down(self, size: int) -> None:
         self.stats.bytes_down += size
         tm.LEARNER_BYTES.labels(direction="down").inc(size)
 
@@ -266,9 +272,6 @@ class SynchronizerClient:
             message = outbox.get()
             if message is None:
                 return
-            size = message.ByteSize() + GRPC_FRAME_OVERHEAD
-            self.stats.bytes_up += size
-            tm.LEARNER_BYTES.labels(direction="up").inc(size)
             yield message
 
     def _hello(self) -> session_pb2.LearnerMessage:
@@ -317,15 +320,22 @@ class SynchronizerClient:
         if self._channel is not None:
             self._channel.close()
         self._channel = grpc.insecure_channel(address, options=channel_options(self.max_backoff_s))
-        stub = synchronizer_pb2_grpc.SynchronizerStub(self._channel)
+        session = self._channel.stream_stream(
+            f"/{SERVICE}/Session",
+            request_serializer=counting_serializer(
+                session_pb2.LearnerMessage.SerializeToString, self._count_up
+            ),
+            response_deserializer=counting_parser(
+                session_pb2.SynchronizerMessage.FromString, self._count_down
+            ),
+        )
         outbox: queue.Queue[session_pb2.LearnerMessage | None] = queue.Queue()
         outbox.put(self._hello())
         self._outbox = outbox
-        responses = stub.Session(self._requests(outbox))
+        responses = session(self._requests(outbox))
         assembler = ChunkAssembler()
         try:
             for message in responses:
-                self._count_down(message)
                 kind = message.WhichOneof("kind")
                 if kind == "welcome":
                     self._on_welcome(message.welcome, outbox, first)

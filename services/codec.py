@@ -7,12 +7,12 @@ hostile payload never reaches the merge.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+import xxhash
 
 from services.gen.atoll.v1 import fragment_pb2
 
@@ -25,8 +25,9 @@ class CodecError(ValueError):
 
 
 def checksum(payload: bytes | memoryview) -> int:
-    """CRC-32 of an encoded payload (zlib's, hardware-assisted where available)."""
-    return zlib.crc32(payload) & 0xFFFFFFFF
+    """XXH3-64 of an encoded payload: catches corruption at several GB/s, where CRC-32
+    costs as much CPU as the rest of the synchronizer's admission path."""
+    return int(xxhash.xxh3_64_intdigest(payload))
 
 
 def _blocks(n: int, block_size: int) -> int:

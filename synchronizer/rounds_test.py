@@ -29,6 +29,7 @@ def test_no_merge_below_quorum() -> None:
 def test_quorum_opens_the_adaptive_grace_window() -> None:
     d = decide(state(2), POLICY, slowest_step_s=0.5, t_sync_s=0.2)
     assert not d.merge_now
+    assert d.grace_s is not None
     assert d.grace_s == pytest.approx(0.8 * (10 * 0.5 - (1.0 + 0.2)))
     assert d.new_deadline == pytest.approx(101.0 + d.grace_s)
 

@@ -17,13 +17,11 @@ from prometheus_client import start_http_server
 
 from services import telemetry as tm
 from services.config import JobConfig, SynchronizerSettings
-from services.gen.atoll.v1 import synchronizer_pb2, synchronizer_pb2_grpc
 from services.grpcopts import server_options
-from synchronizer.service import SynchronizerService
+from synchronizer.service import SERVICE_NAME, SynchronizerService
 from synchronizer.store import open_store
 
 log = structlog.get_logger("atoll.synchronizer")
-SERVICE_NAME = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
 DRAIN_SECONDS = 5.0
 
 
@@ -71,7 +69,7 @@ async def serve(settings: SynchronizerSettings) -> None:
         log.info("initial_parameters", source=str(settings.init_from), applied=won)
 
     server = grpc.aio.server(options=server_options())
-    synchronizer_pb2_grpc.add_SynchronizerServicer_to_server(service, server)
+    server.add_generic_rpc_handlers((service.handler(),))
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -28,18 +29,15 @@ from services.gen.atoll.v1 import (
 )
 from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
 from services.wire import ChunkAssembler, WireError, make_header, split
+from services.wirecount import counting_parser, counting_serializer
 from synchronizer.admission import Rejection, check_header, check_payload
 from synchronizer.merger import Merger
 from synchronizer.store import Store, StoreError
 
 log = structlog.get_logger("atoll.synchronizer")
+SERVICE_NAME = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
 
-GRPC_FRAME_OVERHEAD = 5  # length-prefixed message framing, per message
 OUTBOX_LIMIT = 4096  # messages queued for one learner before it counts as too slow
-
-
-def wire_size(message: object) -> int:
-    return int(message.ByteSize()) + GRPC_FRAME_OVERHEAD  # type: ignore[attr-defined]
 
 
 def spec_to_json(specs: list[LeafSpec]) -> str:
@@ -139,7 +137,6 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             first = await anext(request_iterator)
         except StopAsyncIteration:
             return
-        self._count("up", first)
         try:
             conn, welcome = await self._hello(first)
         except SessionClosed as closed:
@@ -154,7 +151,7 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
         reader = asyncio.create_task(self._read(conn, request_iterator))
         log.info("learner_joined", learner=conn.learner, incarnation=conn.incarnation)
         try:
-            yield self._counted(welcome)
+            yield welcome
             while True:
                 item = await conn.outbox.get()
                 if item is None:
@@ -162,7 +159,7 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
                 if isinstance(item, SessionClosed):
                     await context.abort(item.code, item.details)
                     return
-                yield self._counted(item)
+                yield item
         finally:
             reader.cancel()
             if self.connections.get(key) is conn:
@@ -171,14 +168,36 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             self._initial.pop(key, None)
             log.info("learner_left", learner=conn.learner, incarnation=conn.incarnation)
 
-    def _count(self, direction: str, message: object) -> None:
-        size = wire_size(message)
-        self._bytes[direction] += size
-        tm.BYTES.labels(direction=direction).inc(size)
+    def _count_up(self, size: int) -> None:
+        self._bytes["up"] += size
+        tm.BYTES.labels(direction="up").inc(size)
 
-    def _counted(self, message: session_pb2.SynchronizerMessage) -> session_pb2.SynchronizerMessage:
-        self._count("down", message)
-        return message
+    def _count_down(self, size: int) -> None:
+        self._bytes["down"] += size
+        tm.BYTES.labels(direction="down").inc(size)
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        """The service's RPC handlers, counting every message's bytes as it is (de)serialized."""
+        up, down = self._count_up, self._count_down
+        handlers = {
+            "Session": grpc.stream_stream_rpc_method_handler(
+                self.Session,
+                request_deserializer=counting_parser(session_pb2.LearnerMessage.FromString, up),
+                response_serializer=counting_serializer(
+                    session_pb2.SynchronizerMessage.SerializeToString, down
+                ),
+            ),
+            "FetchState": grpc.unary_stream_rpc_method_handler(
+                self.FetchState,
+                request_deserializer=counting_parser(
+                    synchronizer_pb2.FetchStateRequest.FromString, up
+                ),
+                response_serializer=counting_serializer(
+                    fragment_pb2.GlobalFragmentChunk.SerializeToString, down
+                ),
+            ),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
     async def _hello(
         self, message: session_pb2.LearnerMessage
@@ -250,7 +269,6 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
         assembler = ChunkAssembler()
         try:
             async for message in request_iterator:
-                self._count("up", message)
                 kind = message.WhichOneof("kind")
                 if kind == "heartbeat":
                     await self._heartbeat(conn, message.heartbeat)
@@ -451,7 +469,6 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             synchronizer_pb2.FetchStateRequest, fragment_pb2.GlobalFragmentChunk
         ],
     ) -> AsyncIterator[fragment_pb2.GlobalFragmentChunk]:
-        self._count("up", request)
         if request.job != self.settings.job:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -472,7 +489,6 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             )
         for p in wanted:
             for chunk in await self.fragment_chunks(p):
-                self._count("down", chunk)
                 yield chunk
 
     async def broadcast_forever(self) -> None:

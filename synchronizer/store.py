@@ -7,6 +7,7 @@ check-and-set is one Lua script (see `lua/`), so any replica may act on any frag
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ from redis.commands.core import AsyncScript
 from synchronizer.rounds import RoundState
 
 SUPPORTED_SCHEMES = ("redis", "rediss", "unix")
+STAGE_TTL_S = 86_400  # payloads and staged values that no script adopts expire
 
 
 class StoreError(RuntimeError):
@@ -107,6 +109,19 @@ class Store(Protocol):
     async def stats(self) -> dict[str, float]: ...
     async def commit_log(self, fragment: int) -> list[dict[str, Any]]: ...
     async def subscribe_commits(self) -> Any: ...
+
+
+def select_round(metas: dict[str, dict[str, Any]]) -> list[str]:
+    """The uids one round merges: each learner's oldest pending update (by base version,
+    then seq). A learner's later updates wait for the next rounds, so a round's cost is
+    bounded by the number of learners, whatever the backlog."""
+    oldest: dict[str, tuple[int, int, str]] = {}
+    for uid, meta in metas.items():
+        rank = (int(meta["base_version"]), int(meta["seq"]), uid)
+        learner = str(meta["learner"])
+        if learner not in oldest or rank < oldest[learner]:
+            oldest[learner] = rank
+    return sorted(rank[2] for rank in oldest.values())
 
 
 def _b(value: object) -> bytes:
@@ -205,10 +220,22 @@ class RedisStore:
         self, thetas: list[np.ndarray], opt_states: list[list[np.ndarray]]
     ) -> bool:
         p = len(thetas)
-        keys = [self.key("init")]
-        keys += [self.key("frag", i) for i in range(p)] + [self.key("round", i) for i in range(p)]
-        args: list[Any] = [p, *(_pack([t]) for t in thetas), *(_pack(s) for s in opt_states)]
-        return bool(await self._run("init", keys, args))
+        stage = uuid.uuid4().hex
+        kinds: list[list[str]] = [[], [], [], [], [], []]
+        async with self._r.pipeline(transaction=False) as pipe:
+            for i in range(p):
+                kinds[0].append(self.key("frag", i))
+                kinds[1].append(self.key("round", i))
+                kinds[2].append(self.key("theta", i))
+                kinds[3].append(self.key("opt", i))
+                kinds[4].append(self.key("stage", i, stage, "theta"))
+                kinds[5].append(self.key("stage", i, stage, "opt"))
+                pipe.set(kinds[4][-1], _pack([thetas[i]]), ex=STAGE_TTL_S)
+                pipe.set(kinds[5][-1], _pack(opt_states[i]), ex=STAGE_TTL_S)
+            keys = [self.key("init")] + [k for kind in kinds for k in kind]
+            await self._scripts["init"](keys=keys, args=[p], client=pipe)
+            replies = await pipe.execute()
+        return bool(replies[-1])
 
     async def versions(self, fragments: int) -> list[int]:
         async with self._r.pipeline(transaction=False) as pipe:
@@ -217,24 +244,27 @@ class RedisStore:
             raw = await pipe.execute()
         return [int(v) if v is not None else 0 for v in raw]
 
-    async def fragment(self, index: int) -> FragmentState:
-        version, theta, opt = await self._r.hmget(
-            self.key("frag", index), "version", "theta", "opt"
-        )
-        if version is None:
+    async def _read_fragment(self, index: int, with_opt: bool) -> tuple[int, bytes, bytes]:
+        async with self._r.pipeline(transaction=True) as pipe:  # one consistent snapshot
+            pipe.hget(self.key("frag", index), "version")
+            pipe.get(self.key("theta", index))
+            if with_opt:
+                pipe.get(self.key("opt", index))
+            replies = await pipe.execute()
+        if replies[0] is None or replies[1] is None:
             raise StoreError(
                 f"fragment {index} has no global value yet: the job is not initialized"
             )
-        flat = np.frombuffer(_b(theta), "<f4").copy()
-        return FragmentState(int(version), flat, _unpack(_b(opt), flat.size))
+        return int(replies[0]), _b(replies[1]), _b(replies[2]) if with_opt else b""
+
+    async def fragment(self, index: int) -> FragmentState:
+        version, theta, opt = await self._read_fragment(index, with_opt=True)
+        flat = np.frombuffer(theta, "<f4").copy()
+        return FragmentState(version, flat, _unpack(opt, flat.size))
 
     async def global_value(self, index: int) -> tuple[int, bytes]:
-        version, theta = await self._r.hmget(self.key("frag", index), "version", "theta")
-        if version is None:
-            raise StoreError(
-                f"fragment {index} has no global value yet: the job is not initialized"
-            )
-        return int(version), _b(theta)
+        version, theta, _ = await self._read_fragment(index, with_opt=False)
+        return version, theta
 
     async def submit(
         self,
@@ -247,18 +277,21 @@ class RedisStore:
         payload: bytes,
         meta: dict[str, Any],
     ) -> SubmitResult:
-        incarnation = meta["incarnation"]
+        payload_key = self.key("payload", fragment, uid)
         keys = [
             self.key("frag", fragment),
-            self.key("pend", fragment),
             self.key("pmeta", fragment),
             self.key("contrib", fragment),
-            self.key("seen", learner, incarnation),
+            self.key("seen", learner, meta["incarnation"]),
             self.key("stats"),
+            payload_key,
         ]
-        args = [uid, learner, seq, base_version, max_staleness, payload, json.dumps(meta)]
-        status, version, contributors = await self._run("submit", keys, args)
-        return SubmitResult(status.decode(), int(version), int(contributors))
+        args = [uid, learner, seq, base_version, max_staleness, json.dumps(meta)]
+        async with self._r.pipeline(transaction=False) as pipe:
+            pipe.set(payload_key, payload, ex=STAGE_TTL_S)
+            await self._scripts["submit"](keys=keys, args=args, client=pipe)
+            _, (status, version, contributors) = await pipe.execute()
+        return SubmitResult(_b(status).decode(), int(version), int(contributors))
 
     async def round_state(self, fragment: int) -> tuple[RoundState, float, float]:
         """The round's state, the slowest live learner's step-time EMA and the t_sync EMA."""
@@ -299,34 +332,42 @@ class RedisStore:
         return _b(await self._r.get(self.key("spec"))).decode()
 
     async def pending(self, fragment: int) -> list[PendingUpdate]:
-        metas = await self._r.hgetall(self.key("pmeta", fragment))
-        if not metas:
+        """The updates of the open round: the oldest pending update of each learner."""
+        metas = {
+            _b(uid).decode(): json.loads(meta)
+            for uid, meta in (await self._r.hgetall(self.key("pmeta", fragment))).items()
+        }
+        uids = select_round(metas)
+        if not uids:
             return []
-        uids = sorted(metas)
-        payloads = await self._r.hmget(self.key("pend", fragment), uids)
+        payloads = await self._r.mget([self.key("payload", fragment, u) for u in uids])
         return [
-            PendingUpdate(_b(uid).decode(), json.loads(metas[uid]), _b(payload))
+            PendingUpdate(uid, metas[uid], _b(payload))
             for uid, payload in zip(uids, payloads, strict=True)
             if payload is not None
         ]
 
     async def commit(self, commit: Commit) -> tuple[str, int]:
         p = commit.fragment
+        stage_theta = self.key("stage", p, commit.token, "theta")
+        stage_opt = self.key("stage", p, commit.token, "opt")
         keys = [
             self.key("frag", p),
-            self.key("pend", p),
             self.key("pmeta", p),
             self.key("contrib", p),
             self.key("round", p),
             self.key("lease", p),
             self.key("log", p),
             self.key("stats"),
+            self.key("theta", p),
+            self.key("opt", p),
+            stage_theta,
+            stage_opt,
+            *(self.key("payload", p, uid) for uid in commit.uids),
         ]
         args: list[Any] = [
             commit.token,
             commit.expected_version,
-            _pack([commit.theta]),
-            _pack(commit.opt_state),
             len(commit.uids),
             *commit.uids,
             repr(commit.useful_seconds),
@@ -337,8 +378,12 @@ class RedisStore:
             self.commits_channel(),
             p,
         ]
-        status, version = await self._run("commit", keys, args)
-        return status.decode(), int(version)
+        async with self._r.pipeline(transaction=False) as pipe:
+            pipe.set(stage_theta, _pack([commit.theta]), ex=STAGE_TTL_S)
+            pipe.set(stage_opt, _pack(commit.opt_state), ex=STAGE_TTL_S)
+            await self._scripts["commit"](keys=keys, args=args, client=pipe)
+            *_, (status, version) = await pipe.execute()
+        return _b(status).decode(), int(version)
 
     async def add_stats(self, **increments: float) -> None:
         async with self._r.pipeline(transaction=False) as pipe:

@@ -116,13 +116,13 @@ def test_a_retried_update_is_acknowledged_and_not_applied_twice(
         c.send_raw(chunks)
         assert c.wait_ack(500, 10).status == session_pb2.ACK_STATUS_ACCEPTED
         wait_until(lambda: support.version(r, 1) == 1)
-        theta = r.hget(support.key("frag", 1), "theta")
+        theta = r.get(support.key("theta", 1))
         c.stats.acks.pop(500)
         c.send_raw(chunks)
         assert c.wait_ack(500, 10).status == session_pb2.ACK_STATUS_DUPLICATE
         time.sleep(0.5)
         assert support.version(r, 1) == 1
-        assert r.hget(support.key("frag", 1), "theta") == theta
+        assert r.get(support.key("theta", 1)) == theta
         assert [e["uids"] for e in support.commit_log(r, 1)] == [[f"l0/{c.incarnation}/500"]]
         assert int(r.hget(support.key("stats"), "updates_accepted") or 0) == 1
         assert metric(sync.metrics_port, "atoll_updates_duplicate_total") == 1
@@ -205,7 +205,18 @@ def test_each_bad_input_is_refused_with_a_reason_and_changes_nothing(
     bad_input_setup: object,
 ) -> None:
     sync, c, r = bad_input_setup  # type: ignore[misc]
-    before = {p: r.hgetall(support.key("frag", p)) for p in range(2)}
+
+    def state() -> object:
+        return [
+            (
+                r.hgetall(support.key("frag", p)),
+                r.get(support.key("theta", p)),
+                r.get(support.key("opt", p)),
+            )
+            for p in range(2)
+        ]
+
+    before = state()
     for seq, (case, (build, words)) in enumerate(BAD_INPUTS.items(), start=100):
         reason = REASON.get(case, case)
         counted = metric(sync.metrics_port, f'atoll_updates_rejected_total{{reason="{reason}"}}')
@@ -217,7 +228,7 @@ def test_each_bad_input_is_refused_with_a_reason_and_changes_nothing(
         after = metric(sync.metrics_port, f'atoll_updates_rejected_total{{reason="{reason}"}}')
         assert after == counted + 1, case
     time.sleep(0.5)
-    assert {p: r.hgetall(support.key("frag", p)) for p in range(2)} == before
+    assert state() == before
     assert r.hlen(support.key("pmeta", 0)) == 0
     # The session survived every refusal: a good update still goes through.
     assert c.wait_ack(support.send_delta(c, 0, 2, 0), 10).status == session_pb2.ACK_STATUS_ACCEPTED
@@ -282,11 +293,11 @@ def test_redis_restarted_with_aof_loses_no_committed_version(tmp_path: Path) -> 
             for v in range(3):
                 c.wait_ack(support.send_delta(c, 0, 2, v, seed=v), 10)
                 wait_until(lambda v=v: support.version(r, 0) == v + 1)  # type: ignore[misc]
-            theta = r.hget(support.key("frag", 0), "theta")
+            theta = r.get(support.key("theta", 0))
             server.restart(signal.SIGKILL)
             r = redis.Redis(port=server.port)
             assert support.version(r, 0) == 3
-            assert r.hget(support.key("frag", 0), "theta") == theta
+            assert r.get(support.key("theta", 0)) == theta
             assert [e["version"] for e in support.commit_log(r, 0)] == [1, 2, 3]
             # The replica carries on against the restarted Redis.
             c.wait_ack(support.send_delta(c, 0, 2, 3, seed=9), 30)

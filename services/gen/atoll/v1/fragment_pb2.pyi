@@ -101,7 +101,7 @@ class PayloadHeader(_message.Message):
     num_elements: _builtins.int
     """float32 values the payload decodes to"""
     checksum: _builtins.int
-    """CRC-32 of the whole encoded payload"""
+    """XXH3-64 of the whole encoded payload"""
     chunk_count: _builtins.int
     total_bytes: _builtins.int
     """length of the whole encoded payload"""

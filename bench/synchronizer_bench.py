@@ -1,0 +1,232 @@
+"""`atoll bench synchronizer`: how fast one replica ingests updates, against raw gRPC.
+
+Both halves run in this one invocation on the same machine: N clients stream 4 MiB int8
+updates of one fragment to a real synchronizer (its own process, a real Redis), waiting for
+each ack; then the same clients stream the same bytes, in the same chunks, to a bare gRPC
+sink process that only counts them and acks. The ratio is ingest / raw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+
+from cluster.processes import Child, atoll_command, child_env, synchronizer_child, wait_for_file
+from cluster.redis_server import RedisServer
+from learner.client import SynchronizerClient
+from services import codec as codecs
+from services.gen.atoll.v1 import fragment_pb2, session_pb2
+from services.grpcopts import channel_options, server_options
+from services.layout import LeafSpec
+from services.wire import DEFAULT_MAX_CHUNK_BYTES, split
+
+if TYPE_CHECKING:
+    from bench.settings import SynchronizerBench
+
+IN_FLIGHT = 8  # updates each client keeps in flight (a learner never waits for acks)
+
+
+def _values_for(mib: float) -> int:
+    # int8 payload: n bytes of values + 4 bytes of scale per 256 values.
+    return int(mib * (1 << 20) / (1 + 4 / codecs.DEFAULT_BLOCK_SIZE))
+
+
+def _run_clients(n: int, seconds: float, body: Callable[[int, float], int]) -> float:
+    """Run `body(index, deadline)` in n threads; return total payload MB/s."""
+    totals = [0] * n
+    start = time.monotonic()
+    deadline = start + seconds
+
+    def work(i: int) -> None:
+        totals[i] = body(i, deadline)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(totals) / (time.monotonic() - start) / 1e6
+
+
+def measure_ingest(workdir: Path, clients: int, seconds: float, n: int) -> float:
+    specs = [LeafSpec("fragment", (n,))]
+    codec = codecs.by_name("int8")
+    payload = codec.encode(np.random.default_rng(0).normal(size=n).astype(np.float32), 256)
+    with RedisServer(workdir / "redis") as redis_server:
+        sync = synchronizer_child(
+            workdir,
+            redis_server.url,
+            "bench-sync",
+            [
+                "--fragments",
+                "1",
+                "--quorum",
+                str(clients + 1),
+                "--grace-seconds",
+                "0.05",
+                "--log-level",
+                "warning",
+                "--max-staleness",
+                "1000000",
+            ],
+        ).start_and_wait()
+        try:
+            conns = [
+                SynchronizerClient(
+                    [sync.address],
+                    job="default",
+                    learner_id=f"bench-{i}",
+                    incarnation=uuid.uuid4().hex,
+                    params=specs,
+                )
+                for i in range(clients)
+            ]
+            for c in conns:
+                c.connect()
+            init = np.zeros(n, np.float32).tobytes()
+            seq = conns[0].send_update(
+                fragment=0,
+                payload=init,
+                codec=fragment_pb2.CODEC_FP32,
+                block_size=0,
+                num_elements=n,
+                kind=session_pb2.UPDATE_KIND_INITIAL,
+            )
+            conns[0].wait_ack(seq, 60)
+
+            def stream(i: int, deadline: float) -> int:
+                c, sent, window = conns[i], 0, []
+                while time.monotonic() < deadline:
+                    window.append(
+                        c.send_update(
+                            fragment=0,
+                            payload=payload,
+                            codec=codec.wire,
+                            block_size=256,
+                            num_elements=n,
+                            base_version=max(c.known_versions.get(0, 0), 0),
+                            c_steps=10,
+                            c_tokens=1000,
+                            compute_seconds=1.0,
+                        )
+                    )
+                    if len(window) >= IN_FLIGHT:
+                        ack = c.wait_ack(window.pop(0), 60)
+                        if ack.status == session_pb2.ACK_STATUS_ACCEPTED:
+                            sent += len(payload)
+                for s in window:
+                    if c.wait_ack(s, 60).status == session_pb2.ACK_STATUS_ACCEPTED:
+                        sent += len(payload)
+                return sent
+
+            rate = _run_clients(clients, seconds, stream)
+            for c in conns:
+                c.close()
+            return rate
+        finally:
+            sync.stop()
+
+
+def measure_raw(workdir: Path, clients: int, seconds: float, payload_bytes: int) -> float:
+    port_file = workdir / "sink.ports"
+    sink = Child(
+        "raw-sink",
+        atoll_command("bench", "raw-sink", "--port-file", str(port_file)),
+        workdir / "raw-sink.log",
+        child_env(1),
+    ).start()
+    try:
+        port = wait_for_file(port_file, sink)["grpc"]
+        payload = np.random.default_rng(0).bytes(payload_bytes)
+        chunks = split(payload, DEFAULT_MAX_CHUNK_BYTES)
+
+        def stream(_: int, deadline: float) -> int:
+            channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+            call = channel.stream_stream(RAW_METHOD, None, None)  # bytes in, bytes out
+            sent = 0
+            acks: list[int] = []
+            lock = threading.Condition()
+
+            def requests() -> Iterator[bytes]:
+                count = 0
+                while time.monotonic() < deadline:
+                    with lock:
+                        while count - len(acks) >= IN_FLIGHT:
+                            lock.wait(0.1)
+                    yield from chunks
+                    count += 1
+
+            for _ in call(requests(), metadata=(("payload-bytes", str(payload_bytes)),)):
+                with lock:
+                    acks.append(1)
+                    lock.notify_all()
+                sent += payload_bytes
+            channel.close()
+            return sent
+
+        return _run_clients(clients, seconds, stream)
+    finally:
+        sink.stop()
+
+
+RAW_METHOD = "/atoll.bench.RawSink/Stream"
+
+
+def serve_raw_sink(port_file: Path) -> None:
+    """A bare grpc.aio bidi stream (the synchronizer's own server flavour) that counts chunks
+    into payloads and acks each payload: gRPC with nothing of atoll's behind it."""
+
+    async def handle(
+        request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> AsyncIterator[bytes]:
+        size = int(dict(context.invocation_metadata() or ())["payload-bytes"])
+        received = 0
+        async for chunk in request_iterator:
+            received += len(chunk)
+            if received >= size:  # one whole payload in: ack it
+                received -= size
+                yield b"ok"
+
+    async def serve() -> None:
+        handler = grpc.method_handlers_generic_handler(
+            "atoll.bench.RawSink",
+            {"Stream": grpc.stream_stream_rpc_method_handler(handle)},  # bytes in, bytes out
+        )
+        server = grpc.aio.server(options=server_options())
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        await asyncio.to_thread(port_file.write_text, json.dumps({"grpc": port, "metrics": 0}))
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def run(settings: SynchronizerBench) -> None:
+    n = _values_for(settings.fragment_mib)
+    payload_bytes = len(codecs.by_name("int8").encode(np.zeros(n, np.float32), 256))
+    with tempfile.TemporaryDirectory(prefix="atoll-bench-") as tmp:
+        workdir = Path(tmp)
+        ingest = measure_ingest(workdir, settings.clients, settings.seconds, n)
+        raw = measure_raw(workdir, settings.clients, settings.seconds, payload_bytes)
+    result = {
+        "clients": settings.clients,
+        "seconds": settings.seconds,
+        "payload_bytes": payload_bytes,
+        "ingest_mb_s": round(ingest, 2),
+        "raw_grpc_mb_s": round(raw, 2),
+        "ratio": round(ingest / raw, 3) if raw else 0.0,
+    }
+    print(json.dumps(result, indent=2))
+    if settings.json_path is not None:
+        settings.json_path.write_text(json.dumps(result, indent=2) + "\n")
