@@ -199,6 +199,7 @@ class SynchronizerClient:
         tokens_per_s: float,
         loss: float,
         eval_loss: float,
+        done: bool = False,
     ) -> None:
         self.step = step
         outbox = self._outbox
@@ -211,6 +212,7 @@ class SynchronizerClient:
                         tokens_per_s=tokens_per_s,
                         loss=loss,
                         eval_loss=eval_loss,
+                        done=done,
                     )
                 )
             )

@@ -63,4 +63,11 @@ class LearnerSettings(ModelConfig, AtollSettings):
     metrics_listen: str = Field("", description="HOST:PORT for /metrics; empty: none")
     max_backoff_s: float = Field(5.0, gt=0.0, description="cap of the reconnect backoff")
     report: Path | None = Field(None, description="write this learner's summary JSON here")
+    log_every: int = Field(10, ge=1, description="steps between loss points in the summary")
+    linger_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="after the last step and final sync, keep taking new global "
+        "values this long (or until SIGTERM), so the learner ends on the final global model",
+    )
     log_level: str = Field("info", description="debug, info, warning or error")

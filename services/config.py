@@ -59,6 +59,11 @@ class JobConfig(BaseModel):
     merge_alpha: float = Field(
         0.0, ge=0.0, le=1.0, description="learner merge: theta <- alpha*theta + (1-alpha)*global"
     )
+    partial_rounds: Literal["scaled", "full"] = Field(
+        "scaled",
+        description="scaled: a round with n of M live learners takes n/M of an outer step "
+        "(missing learners count as zero progress); full: every round takes a full step",
+    )
     max_staleness: int = Field(
         8, ge=0, description="updates more versions behind than this are refused"
     )

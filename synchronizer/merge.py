@@ -43,12 +43,31 @@ def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.
     return out.astype(np.float32)
 
 
-def merge_contributions(contributions: Sequence[Contribution]) -> tuple[np.ndarray, list[float]]:
-    """The token-weighted mean outer gradient, and each contribution's weight."""
+def partial_round_scale(contributors: int, live_learners: int) -> float:
+    """How much of a full outer step a round takes: contributors / live learners (at most 1).
+
+    A live learner missing from a round counts as an outer gradient of zero at the
+    contributors' mean weight: its progress enters a later round instead. A full round is
+    plain DiLoCo; M one-learner rounds add up to one averaged step, not M full ones (which
+    overshoot, momentum compounding them).
+    """
+    if contributors <= 0:
+        return 0.0
+    return min(1.0, contributors / max(1, live_learners))
+
+
+def merge_contributions(
+    contributions: Sequence[Contribution], live_learners: int = 0
+) -> tuple[np.ndarray, list[float], float]:
+    """The token-weighted mean outer gradient, each contribution's weight, and the partial
+    round scale applied (1.0 when `live_learners` is 0: no scaling)."""
     weights = [token_weight(c.c_tokens, c.c_steps) for c in contributions]
     if sum(weights) <= 0.0:  # every learner reported zero tokens: fall back to a plain mean
         weights = [1.0] * len(contributions)
-    return weighted_mean([c.delta for c in contributions], weights), weights
+    mean = weighted_mean([c.delta for c in contributions], weights)
+    learners = len({c.learner for c in contributions})
+    scale = partial_round_scale(learners, live_learners) if live_learners else 1.0
+    return (mean * np.float32(scale) if scale != 1.0 else mean), weights, scale
 
 
 @dataclass(frozen=True)

@@ -18,15 +18,16 @@ def test_token_weighted_merge_by_hand() -> None:
     # w1 = 200^2/10 = 4000, w2 = 100^2/10 = 1000: weights 0.8 and 0.2.
     a = contribution([1.0, 0.0], 10, 200)
     b = contribution([0.0, 1.0], 10, 100)
-    merged, weights = merge_contributions([a, b])
+    merged, weights, scale = merge_contributions([a, b])
     assert weights == [4000.0, 1000.0]
+    assert scale == 1.0
     np.testing.assert_allclose(merged, [0.8, 0.2], rtol=1e-6)
 
 
 def test_a_slow_learner_with_fewer_tokens_per_step_weighs_less() -> None:
     fast = contribution([1.0], 10, 1000)  # 100 tokens per step
     slow = contribution([-1.0], 40, 1000)  # same tokens, 4x the steps: 25 per step
-    merged, _ = merge_contributions([fast, slow])
+    merged, _, _ = merge_contributions([fast, slow])
     assert merged[0] == pytest.approx((100_000 - 25_000) / 125_000)
 
 
@@ -43,3 +44,15 @@ def test_outer_nesterov_step_by_hand() -> None:
     # Second step with the same g: trace = g + 0.9 g = 1.9 g; update = -0.7 (g + 0.9*1.9 g).
     theta2, _ = opt.step(theta1, state1, g)
     np.testing.assert_allclose(theta2, theta1 - 0.7 * (1 + 0.9 * 1.9) * g, rtol=1e-5)
+
+
+def test_a_partial_round_takes_a_partial_step() -> None:
+    a = Contribution("u1", "a", np.array([3.0], np.float32), 10, 100, 0, 1.0)
+    merged, _, scale = merge_contributions([a], live_learners=3)
+    assert scale == pytest.approx(1 / 3)
+    np.testing.assert_allclose(merged, [1.0])
+    full, _, scale = merge_contributions(
+        [a, Contribution("u2", "b", np.array([3.0], np.float32), 10, 100, 0, 1.0)], 2
+    )
+    assert scale == 1.0
+    np.testing.assert_allclose(full, [3.0])

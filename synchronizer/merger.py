@@ -91,6 +91,8 @@ class Merger:
         try:
             current = await self._store.fragment(fragment)
             pending = await self._store.pending(fragment)
+            state, _, _ = await self._store.round_state(fragment)
+            live = state.live_learners if self._cfg.partial_rounds == "scaled" else 0
             if not pending:
                 await self._store.release_merge_lease(fragment, token)
                 return
@@ -103,6 +105,7 @@ class Merger:
                 current.opt_state,
                 pending,
                 started,
+                live,
             )
             status, version = await self._store.commit(commit)
             if status != "committed":
@@ -130,6 +133,7 @@ class Merger:
         opt_state: list[np.ndarray],
         pending: list[PendingUpdate],
         started: float,
+        live_learners: int,
     ) -> Commit:
         contributions: list[Contribution] = []
         for update in pending:
@@ -147,7 +151,7 @@ class Merger:
                     compute_seconds=float(meta["compute_seconds"]),
                 )
             )
-        outer_gradient, weights = merge_contributions(contributions)
+        outer_gradient, weights, scale = merge_contributions(contributions, live_learners)
         new_theta, new_state = self.optimizer.step(theta, opt_state, outer_gradient)
         fragments = max(1, self._fragments())
         staleness = [version - c.base_version for c in contributions]
@@ -171,6 +175,7 @@ class Merger:
                 "uids": [c.uid for c in contributions],
                 "learners": [c.learner for c in contributions],
                 "weights": weights,
+                "scale": scale,
                 "base_versions": [c.base_version for c in contributions],
                 "replica": self._replica,
             },

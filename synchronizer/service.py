@@ -7,6 +7,7 @@ replica can serve any learner, and a learner whose replica dies reconnects to an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 from collections.abc import AsyncIterator
@@ -302,6 +303,7 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             tokens_s=hb.tokens_per_s if math.isfinite(hb.tokens_per_s) else 0.0,
             loss=hb.loss if math.isfinite(hb.loss) else -1.0,
             eval_loss=hb.eval_loss if math.isfinite(hb.eval_loss) else -1.0,
+            done=1.0 if hb.done else 0.0,
         )
         if not renewed:
             conn.outbox.put_nowait(
@@ -332,7 +334,7 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
         except Rejection as rejection:
             assembler.reset()
             conn.rejected_seq = chunk.seq
-            tm.UPDATES_REJECTED.labels(reason=rejection.reason).inc()
+            await self._count_rejection(rejection.reason)
             log.info(
                 "update_rejected",
                 learner=conn.learner,
@@ -437,7 +439,7 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
                 "the job has no initial parameters yet; send them (kind INITIAL) first",
             ),
         )
-        tm.UPDATES_REJECTED.labels(reason=reason).inc()
+        await self._count_rejection(reason)
         return session_pb2.Ack(
             seq=chunk.seq,
             status=session_pb2.ACK_STATUS_REJECTED,
@@ -445,6 +447,12 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             reason=message,
             version=result.version,
         )
+
+    async def _count_rejection(self, reason: str) -> None:
+        tm.UPDATES_REJECTED.labels(reason=reason).inc()
+        # The metric has it; the job's total misses one while the store is away.
+        with contextlib.suppress(RedisError, OSError):
+            await self.store.add_stats(updates_rejected=1)
 
     async def _evaluate(self, fragment: int) -> None:
         try:

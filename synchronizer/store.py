@@ -193,6 +193,7 @@ class RedisStore:
     ) -> bool:
         args = [learner, incarnation, int(ttl_s * 1000)]
         args += [repr(float(fields[k])) for k in ("step", "ema", "tokens_s", "loss", "eval_loss")]
+        args.append(int(fields.get("done", 0)))
         keys = [self.key("learners"), self.key("learner", learner), self.key("ema")]
         return bool(await self._run("heartbeat", keys, args))
 
@@ -286,7 +287,7 @@ class RedisStore:
             self.key("stats"),
             payload_key,
         ]
-        args = [uid, learner, seq, base_version, max_staleness, json.dumps(meta)]
+        args: list[Any] = [uid, learner, seq, base_version, max_staleness, json.dumps(meta)]
         async with self._r.pipeline(transaction=False) as pipe:
             pipe.set(payload_key, payload, ex=STAGE_TTL_S)
             await self._scripts["submit"](keys=keys, args=args, client=pipe)

@@ -210,12 +210,15 @@ class Heartbeat(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     LOSS_FIELD_NUMBER: _builtins.int
     EVAL_LOSS_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     step_time_ema_s: _builtins.float
     tokens_per_s: _builtins.float
     loss: _builtins.float
     eval_loss: _builtins.float
     """NaN when not measured yet"""
+    done: _builtins.bool
+    """finished its steps and its final sync"""
     def __init__(
         self,
         *,
@@ -224,10 +227,11 @@ class Heartbeat(_message.Message):
         tokens_per_s: _builtins.float = ...,
         loss: _builtins.float = ...,
         eval_loss: _builtins.float = ...,
+        done: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["eval_loss", b"eval_loss", "loss", b"loss", "step", b"step", "step_time_ema_s", b"step_time_ema_s", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "eval_loss", b"eval_loss", "loss", b"loss", "step", b"step", "step_time_ema_s", b"step_time_ema_s", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,159 @@
+"""The run report and the invariants behind it: pure functions over what a run left behind.
+
+Keys are stable (see ARCHITECTURE.md); tools and checks read them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.bandwidth import dp_equivalent_bytes
+
+
+@dataclass
+class Invariants:
+    ok: bool
+    lost_updates: int
+    double_applied: int
+    problems: list[str] = field(default_factory=list)
+
+
+def check_invariants(
+    commit_logs: Sequence[Sequence[dict[str, Any]]],
+    versions: Sequence[int],
+    accepted: int,
+    pending: int,
+    learner_checksums: dict[str, Sequence[int]] | None = None,
+    global_checksums: Sequence[int] | None = None,
+) -> Invariants:
+    """No acknowledged update lost, none applied twice, versions consecutive, one commit per
+    round, and every live learner equal to the global model at the end."""
+    problems: list[str] = []
+    merged = [uid for log in commit_logs for entry in log for uid in entry["uids"]]
+    counts = Counter(merged)
+    double = sum(n - 1 for n in counts.values() if n > 1)
+    if double:
+        problems.append(f"{double} updates were applied more than once")
+    lost = max(0, accepted - len(counts) - pending)
+    if lost:
+        problems.append(f"{lost} acknowledged updates were never merged")
+    for p, log in enumerate(commit_logs):
+        seen = [int(e["version"]) for e in log]
+        if seen != list(range(1, len(seen) + 1)) or (versions and versions[p] != len(seen)):
+            problems.append(f"fragment {p}: versions {seen} are not consecutive from 1")
+    if learner_checksums and global_checksums is not None:
+        for learner, sums in learner_checksums.items():
+            if list(sums) != list(global_checksums):
+                problems.append(f"learner {learner} does not hold the final global model")
+    return Invariants(not problems, lost, double, problems)
+
+
+def build_report(
+    *,
+    settings: dict[str, Any],
+    summaries: Sequence[dict[str, Any]],
+    stats: dict[str, float],
+    wall_seconds: float,
+    invariants: Invariants,
+    eval_loss: float,
+    faults: Sequence[dict[str, Any]] = (),
+) -> dict[str, Any]:
+    learners = int(settings["learners"])
+    parameters = int(summaries[0]["parameters"]) if summaries else 0
+    steps_total = sum(int(s["steps"]) for s in summaries)
+    up, down = stats.get("bytes_up", 0.0), stats.get("bytes_down", 0.0)
+    dp = dp_equivalent_bytes(parameters, learners, steps_total)
+    initial = [s["loss"]["initial"] for s in summaries if s["loss"]["initial"] is not None]
+    final = [s["loss"]["final"] for s in summaries if s["loss"]["final"] is not None]
+    provisioned = learners * wall_seconds
+    return {
+        "learners": learners,
+        "fragments": settings["fragments"],
+        "inner_steps": settings["inner_steps"],
+        "mode": settings["mode"],
+        "codec": settings["codec"],
+        "parameters": parameters,
+        "wall_seconds": round(wall_seconds, 3),
+        "tokens_total": sum(int(s["tokens"]) for s in summaries),
+        "tokens_merged": round(stats.get("tokens_merged", 0.0)),
+        "goodput": round(stats.get("useful_seconds", 0.0) / provisioned, 4) if provisioned else 0.0,
+        "loss": {
+            "initial": sum(initial) / len(initial) if initial else None,
+            "final": sum(final) / len(final) if final else None,
+        },
+        "eval_loss": eval_loss,
+        "bytes": {"up": int(up), "down": int(down)},
+        "dp_equivalent_bytes": int(dp),
+        "bandwidth_reduction": round(dp / (up + down), 2) if up + down else 0.0,
+        "versions_committed": int(stats.get("versions_committed", 0)),
+        "updates": {
+            "accepted": int(stats.get("updates_accepted", 0)),
+            "rejected": int(stats.get("updates_rejected", 0)),
+            "stale_folded": int(stats.get("stale_folded", 0)),
+        },
+        "faults": {"injected": len(faults), "schedule": list(faults)},
+        "invariants": {
+            "ok": invariants.ok,
+            "lost_updates": invariants.lost_updates,
+            "double_applied": invariants.double_applied,
+            "problems": invariants.problems,
+        },
+        "per_learner": [
+            {
+                k: s[k]
+                for k in (
+                    "learner",
+                    "steps",
+                    "tokens",
+                    "eval_loss",
+                    "reconnects",
+                    "badput_seconds",
+                    "step_time_ema_s",
+                )
+            }
+            for s in summaries
+        ],
+    }
+
+
+REQUIRED_KEYS = (
+    "learners",
+    "fragments",
+    "inner_steps",
+    "mode",
+    "codec",
+    "wall_seconds",
+    "tokens_total",
+    "tokens_merged",
+    "goodput",
+    "loss.initial",
+    "loss.final",
+    "eval_loss",
+    "bytes.up",
+    "bytes.down",
+    "dp_equivalent_bytes",
+    "bandwidth_reduction",
+    "versions_committed",
+    "updates.accepted",
+    "updates.rejected",
+    "updates.stale_folded",
+    "faults.injected",
+    "invariants.ok",
+    "invariants.lost_updates",
+    "invariants.double_applied",
+)
+
+
+def missing_keys(report: dict[str, Any]) -> list[str]:
+    missing = []
+    for dotted in REQUIRED_KEYS:
+        node: Any = report
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                missing.append(dotted)
+                break
+            node = node[part]
+    return missing

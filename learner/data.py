@@ -1,0 +1,130 @@
+"""Training text: files or folders given by path, by default this Python's standard library.
+
+Every learner sees the same file list (sorted), holds out the same evaluation files, and
+reads only its own shard of the rest. Batches are drawn by a counter (batch k of epoch e is
+a fixed permutation of the shard's windows), so a restarted learner resumes its shard where
+it stopped by loading one number.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".html"}
+MAX_CORPUS_BYTES = 256 << 20
+EVAL_EVERY_NTH_FILE = 50
+
+
+class DataError(ValueError):
+    """The data paths give nothing to train on; the message says what to change."""
+
+
+def default_paths() -> list[Path]:
+    return [Path(sysconfig.get_paths()["stdlib"])]
+
+
+def list_files(paths: Sequence[Path]) -> list[Path]:
+    files: list[Path] = []
+    for path in paths:
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            files += [
+                f
+                for f in path.rglob("*")
+                if f.is_file() and f.suffix in TEXT_SUFFIXES and "site-packages" not in f.parts
+            ]
+        else:
+            raise DataError(f"data path {path} does not exist; give text files or folders")
+    return sorted(set(files))
+
+
+@dataclass
+class Corpus:
+    train: np.ndarray  # uint8 bytes of this learner's shard
+    eval: np.ndarray  # uint8 bytes of the held-out files (the same for every learner)
+    files: int
+
+
+def load_corpus(paths: Sequence[Path], shard: int, num_shards: int) -> Corpus:
+    if not 0 <= shard < num_shards:
+        raise DataError(f"--shard {shard} must be in 0..{num_shards - 1} (--num-shards)")
+    files = list_files(paths or default_paths())
+    if not files:
+        raise DataError(f"no text files under {[str(p) for p in paths]}")
+    eval_files = files[::EVAL_EVERY_NTH_FILE] if len(files) >= EVAL_EVERY_NTH_FILE else files[-1:]
+    train_files = [f for f in files if f not in set(eval_files)] or files
+    mine = train_files[shard::num_shards]
+    if not mine:
+        raise DataError(
+            f"shard {shard} of {num_shards} gets no files from {len(train_files)}; use fewer shards"
+        )
+    return Corpus(_read(mine), _read(eval_files), len(files))
+
+
+def _read(files: Sequence[Path]) -> np.ndarray:
+    parts: list[bytes] = []
+    total = 0
+    for f in files:
+        data = f.read_bytes()
+        parts.append(data)
+        total += len(data)
+        if total >= MAX_CORPUS_BYTES:
+            break
+    return np.frombuffer(b"\n".join(parts), np.uint8)
+
+
+class Batches:
+    """Batch k of a shard: windows of context+1 bytes, a fresh permutation per epoch."""
+
+    def __init__(self, data: np.ndarray, batch_size: int, context: int, seed: int) -> None:
+        window = context + 1
+        if data.size < window * 2:
+            raise DataError(
+                f"the shard holds {data.size} bytes, too few for windows of {window}; "
+                "give more text or a shorter --context"
+            )
+        self.data, self.batch_size, self.window, self.seed = data, batch_size, window, seed
+        self.windows = (data.size - 1) // window
+        self.position = 0  # batches drawn so far
+        self._epoch = -1
+        self._perm = np.zeros(0, np.int64)
+
+    def next(self) -> np.ndarray:
+        first = self.position * self.batch_size
+        idx = np.array([self._window_at(first + i) for i in range(self.batch_size)])
+        self.position += 1
+        starts = idx * self.window
+        return np.stack([self.data[s : s + self.window] for s in starts]).astype(np.int32)
+
+    def _window_at(self, n: int) -> int:
+        epoch, i = divmod(n, self.windows)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
+        return int(self._perm[i])
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"position": self.position}))
+        tmp.replace(path)
+
+    def load(self, path: Path) -> None:
+        if path.exists():
+            self.position = int(json.loads(path.read_text())["position"])
+
+
+def eval_batches(data: np.ndarray, batch_size: int, context: int, count: int) -> list[np.ndarray]:
+    """Fixed evaluation batches, evenly spread over the held-out text."""
+    window = context + 1
+    n = max(1, (data.size - 1) // window)
+    picks = np.linspace(0, n - 1, num=min(n, batch_size * count)).astype(np.int64)
+    rows = np.stack([data[p * window : p * window + window] for p in picks]).astype(np.int32)
+    return [rows[i : i + batch_size] for i in range(0, len(rows), batch_size) if len(rows[i:]) >= 1]

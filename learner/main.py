@@ -1,0 +1,53 @@
+"""`atoll learner`: thread limits first (before JAX starts), then join, train, report."""
+
+from __future__ import annotations
+
+import os
+
+import structlog
+
+from learner.settings import LearnerSettings
+from services import telemetry as tm
+
+log = structlog.get_logger("atoll.learner")
+
+
+def limit_threads(threads: int) -> None:
+    """Cap XLA's and BLAS's CPU threads, so several learners share a machine's cores.
+
+    Must run before JAX initialises its backend (its first use, not its import).
+    """
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}"
+    ).strip()
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+
+
+def run(settings: LearnerSettings) -> None:
+    tm.configure_logging(settings.log_level)
+    limit_threads(settings.threads)
+    from prometheus_client import start_http_server
+
+    from learner import workload
+    from learner.trainer import Learner, install_stop_handler, write_report
+    from synchronizer.server import split_hostport
+
+    if settings.metrics_listen:
+        host, port = split_hostport(settings.metrics_listen)
+        start_http_server(port, addr=host)
+    learner = Learner(settings, workload.load(settings))
+    install_stop_handler(learner)
+    try:
+        summary = learner.run()
+    finally:
+        learner.close()
+    log.info(
+        "finished",
+        steps=summary["steps"],
+        loss=summary["loss"]["final"],
+        eval_loss=summary["eval_loss"],
+    )
+    if settings.report is not None:
+        write_report(settings.report, summary)

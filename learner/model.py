@@ -1,0 +1,108 @@
+"""The built-in model: a byte-level decoder-only transformer in plain JAX.
+
+Parameters are a flat dict keyed by slash paths (`blocks/3/attn/qkv`), which is exactly what
+the fragment layout reads: layer indices come from the names, and no network library sits
+between the arrays and the wire. Attention goes through `jax.nn.dot_product_attention`, so
+on NVIDIA GPUs XLA can pick the fused cuDNN kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+Params = dict[str, jax.Array]
+LossFn = Callable[[Params, jax.Array], jax.Array]
+VOCAB = 256  # bytes
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    layers: int = 4
+    width: int = 128
+    heads: int = 4
+    context: int = 128
+    compute_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.width % self.heads:
+            raise ValueError(
+                f"--heads {self.heads} must divide --width {self.width}; e.g. --heads "
+                f"{max(h for h in range(1, self.heads + 1) if self.width % h == 0)}"
+            )
+
+    @property
+    def parameters(self) -> int:
+        d = self.width
+        return VOCAB * d + self.context * d + d + self.layers * (12 * d * d + 2 * d)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 per weight plus attention's score and value products."""
+        return 6.0 * (self.parameters - VOCAB * self.width - self.context * self.width) + (
+            12.0 * self.layers * self.width * self.context
+        )
+
+
+def init_params(cfg: TransformerConfig, seed: int) -> Params:
+    d = cfg.width
+    keys = iter(jax.random.split(jax.random.key(seed), 4 + 4 * cfg.layers))
+
+    def normal(shape: tuple[int, ...], std: float) -> jax.Array:
+        return std * jax.random.normal(next(keys), shape, jnp.float32)
+
+    residual_std = 0.02 / math.sqrt(2 * cfg.layers)
+    params: Params = {
+        "embed": normal((VOCAB, d), 0.02),
+        "pos": normal((cfg.context, d), 0.01),
+        "ln_f/scale": jnp.ones((d,), jnp.float32),
+    }
+    for i in range(cfg.layers):
+        params |= {
+            f"blocks/{i}/ln1/scale": jnp.ones((d,), jnp.float32),
+            f"blocks/{i}/attn/qkv": normal((d, 3 * d), 0.02),
+            f"blocks/{i}/attn/out": normal((d, d), residual_std),
+            f"blocks/{i}/ln2/scale": jnp.ones((d,), jnp.float32),
+            f"blocks/{i}/mlp/in": normal((d, 4 * d), 0.02),
+            f"blocks/{i}/mlp/out": normal((4 * d, d), residual_std),
+        }
+    return params
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    var = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    return (x * jax.lax.rsqrt(var + 1e-6)).astype(x.dtype) * scale.astype(x.dtype)
+
+
+def forward(cfg: TransformerConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Logits (batch, time, 256) for byte tokens (batch, time)."""
+    dtype = jnp.dtype(cfg.compute_dtype)
+    b, t = tokens.shape
+    d, h = cfg.width, cfg.heads
+    x = (params["embed"][tokens] + params["pos"][:t]).astype(dtype)
+    for i in range(cfg.layers):
+        p = f"blocks/{i}/"
+        y = _rms_norm(x, params[p + "ln1/scale"])
+        qkv = (y @ params[p + "attn/qkv"].astype(dtype)).reshape(b, t, 3, h, d // h)
+        att = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
+        x = x + att.reshape(b, t, d) @ params[p + "attn/out"].astype(dtype)
+        y = _rms_norm(x, params[p + "ln2/scale"])
+        y = jax.nn.gelu(y @ params[p + "mlp/in"].astype(dtype))
+        x = x + y @ params[p + "mlp/out"].astype(dtype)
+    x = _rms_norm(x, params["ln_f/scale"])
+    return (x @ params["embed"].astype(dtype).T).astype(jnp.float32)
+
+
+def make_loss(cfg: TransformerConfig) -> LossFn:
+    """Mean next-byte cross-entropy (nats) over a batch of windows of context+1 bytes."""
+
+    def loss(params: Params, batch: jax.Array) -> jax.Array:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = forward(cfg, params, inputs)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    return loss

@@ -1,0 +1,104 @@
+"""The learner's side of the outer loop, as pure decisions over numpy arrays.
+
+Fragment p is due every H steps, the P fragments staggered by H/P steps. When it is due,
+the outer gradient `base_p - theta_p` is encoded with error feedback and sent with the
+counters since the anchor. The learner then adopts the first global value newer than any it
+knew when it sent: that version holds its own update (a round takes each learner's oldest
+pending update). Values that other learners' rounds produce in between are remembered but
+not adopted, so no unsent local progress is overwritten. A fragment is not sent again before
+its reply arrives, so no progress is ever counted twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.codec import Codec, ErrorFeedback
+
+
+def fragment_offset(fragment: int, fragments: int, inner_steps: int) -> int:
+    """Step (mod H) at which a fragment is due: (p+1)*H/P, so the last one is due at H."""
+    return ((fragment + 1) * inner_steps // fragments) % inner_steps
+
+
+def due_fragments(step: int, fragments: int, inner_steps: int) -> list[int]:
+    """Fragments due after `step` inner steps (step >= 1)."""
+    if step < 1:
+        return []
+    return [
+        p
+        for p in range(fragments)
+        if step % inner_steps == fragment_offset(p, fragments, inner_steps)
+    ]
+
+
+def merge_global(theta: np.ndarray, global_value: np.ndarray, alpha: float) -> np.ndarray:
+    """theta <- alpha*theta + (1-alpha)*Theta (alpha=0: overwrite, the paper's default)."""
+    if alpha == 0.0:
+        return global_value.copy()
+    return (alpha * theta + (1.0 - alpha) * global_value).astype(np.float32)
+
+
+@dataclass
+class FragmentState:
+    """What a learner keeps per fragment between two syncs."""
+
+    base: np.ndarray  # anchor: the global value the local fragment evolves from
+    version: int
+    feedback: ErrorFeedback
+    steps: int = 0
+    tokens: int = 0
+    compute_seconds: float = 0.0
+    latest_version: int = -1  # newest global version seen (maybe not adopted)
+    latest: np.ndarray | None = None
+    awaiting_above: int | None = None  # sent: adopt the first version above this
+    due: bool = False  # due, but its previous send is still in flight
+
+    @property
+    def in_flight(self) -> bool:
+        return self.awaiting_above is not None
+
+    def count(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.compute_seconds += seconds
+
+    def outer_gradient(self, theta: np.ndarray) -> bytes:
+        """Encode base - theta with error feedback, and wait for the reply."""
+        payload = self.feedback.encode((self.base - theta).astype(np.float32))
+        self.awaiting_above = max(self.version, self.latest_version)
+        self.due = False
+        return payload
+
+    def receive(self, value: np.ndarray, version: int) -> bool:
+        """A global value arrived; return True if it is the reply to adopt now."""
+        if version <= max(self.version, self.latest_version):
+            return False
+        self.latest, self.latest_version = value, version
+        return self.awaiting_above is not None and version > self.awaiting_above
+
+    def adopt(self, global_value: np.ndarray, version: int) -> None:
+        """The reply arrived (or the state was re-fetched): the new anchor; counters restart."""
+        self.base = global_value
+        self.version = version
+        self.latest_version = max(self.latest_version, version)
+        self.awaiting_above = None
+        self.steps, self.tokens, self.compute_seconds = 0, 0, 0.0
+
+
+@dataclass
+class OuterState:
+    fragments: list[FragmentState] = field(default_factory=list)
+
+    @classmethod
+    def start(
+        cls, globals_: list[tuple[int, np.ndarray]], codec: Codec, block_size: int
+    ) -> OuterState:
+        return cls(
+            [
+                FragmentState(value.copy(), version, ErrorFeedback(codec, block_size))
+                for version, value in globals_
+            ]
+        )

@@ -1,0 +1,403 @@
+"""The learner: a JAX inner loop over all local devices, syncing fragments in the background.
+
+The inner loop never waits on the network in decoupled mode: encoded fragments are queued
+for the session thread, and new global values are applied between two steps. In sync mode
+the learner waits at each fragment sync until that fragment is merged (classic DiLoCo).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import structlog
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from learner.client import GlobalFragment, SynchronizerClient
+from learner.outer import OuterState, due_fragments, merge_global
+from learner.settings import LearnerSettings
+from learner.workload import Named, Workload
+from services import codec as codecs
+from services import telemetry as tm
+from services.gen.atoll.v1 import fragment_pb2, session_pb2
+from services.layout import FragmentLayout, LeafSpec, fragment_layout
+
+log = structlog.get_logger("atoll.learner")
+FINAL_SYNC_TIMEOUT_S = 120.0
+EMA_DECAY = 0.9
+
+
+@dataclass
+class Timeline:
+    started: float = field(default_factory=time.time)
+    losses: list[tuple[float, int, int, float]] = field(default_factory=list)
+    evals: list[tuple[float, int, int, float]] = field(default_factory=list)
+    badput: dict[str, float] = field(default_factory=lambda: dict.fromkeys(tm.BADPUT_SOURCES, 0.0))
+
+    def now(self) -> float:
+        return round(time.time() - self.started, 3)
+
+
+class Learner:
+    def __init__(self, settings: LearnerSettings, workload: Workload) -> None:
+        self.s = settings
+        self.w = workload
+        self.incarnation = uuid.uuid4().hex
+        self.named = Named.of(workload.params)
+        flat = self.named.flatten(workload.params)
+        self.specs = [
+            LeafSpec(n, tuple(int(d) for d in v.shape), "float32") for n, v in flat.items()
+        ]
+        self.timeline = Timeline()
+        self.stop_requested = threading.Event()
+        self.step = 0
+        self.tokens = 0
+        self.ema_step_s = 0.0
+        self.loss = math.nan
+        self.eval_loss = math.nan
+        self.pending_acks: dict[int, tuple[int, float]] = {}  # seq -> (fragment, compute s)
+        devices = jax.devices()
+        if settings.batch_size % len(devices):
+            raise ValueError(
+                f"--batch-size {settings.batch_size} must be a multiple of the {len(devices)} "
+                "local devices, so each gets an equal share"
+            )
+        # Auto axes: XLA propagates the batch sharding through the model (plain data parallel).
+        mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Auto,))
+        self.replicated = NamedSharding(mesh, P())  # type: ignore[no-untyped-call]
+        self.batch_sharding = NamedSharding(mesh, P("data"))  # type: ignore[no-untyped-call]
+        self.client = SynchronizerClient(
+            [a for addr in settings.synchronizer for a in addr.split(",") if a],
+            job=settings.job,
+            learner_id=settings.id,
+            incarnation=self.incarnation,
+            params=self.specs,
+            token=settings.token,
+            max_backoff_s=settings.max_backoff_s,
+        )
+
+    # --- set-up ---------------------------------------------------------------------------
+    def join(self) -> None:
+        welcome = self.client.connect()
+        cfg = welcome.config
+        self.mode, self.alpha = cfg.mode, cfg.merge_alpha
+        self.P, self.H = cfg.fragments, cfg.inner_steps
+        self.codec = codecs.by_wire(cfg.codec)
+        self.block_size = cfg.block_size
+        self.layout: FragmentLayout = fragment_layout(self.specs, self.P)
+        flat = {k: np.asarray(v, np.float32) for k, v in self.named.flatten(self.w.params).items()}
+        if not welcome.initialized:
+            for p in range(self.P):
+                values = self.layout.gather(p, flat)
+                self.client.send_update(
+                    fragment=p,
+                    payload=values.tobytes(),
+                    codec=fragment_pb2.CODEC_FP32,
+                    block_size=0,
+                    num_elements=values.size,
+                    kind=session_pb2.UPDATE_KIND_INITIAL,
+                )
+            deadline = time.monotonic() + 60
+            while self.client.unacked() and time.monotonic() < deadline:
+                self.client.check()
+                time.sleep(0.05)
+        globals_ = sorted(self.client.fetch_state(), key=lambda g: g.fragment)
+        if len(globals_) != self.P:
+            raise RuntimeError(f"fetched {len(globals_)} of {self.P} global fragments; retry")
+        self.outer = OuterState.start(
+            [(g.version, g.values) for g in globals_], self.codec, self.block_size
+        )
+        for g in globals_:
+            flat.update(self.layout.scatter(g.fragment, g.values))
+        self.params = jax.device_put({k: jnp.asarray(v) for k, v in flat.items()}, self.replicated)
+        tm.REJOINS.inc()
+        log.info(
+            "joined",
+            learner=self.s.id,
+            incarnation=self.incarnation,
+            mode=self.mode,
+            fragments=self.P,
+            inner_steps=self.H,
+            codec=self.codec.name,
+            versions=[g.version for g in globals_],
+            initialized_job=not welcome.initialized,
+        )
+
+    def compile(self) -> None:
+        named, loss_fn = self.named, self.w.loss_fn
+        steps = self.s.steps or 1_000_000
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0,
+            self.s.lr,
+            max(1, self.s.warmup_steps),
+            max(steps, self.s.warmup_steps + 1),
+            end_value=self.s.lr * 0.1,
+        )
+        self.tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=self.s.weight_decay)
+        self.opt_state = jax.device_put(self.tx.init(self.params), self.replicated)
+        tx = self.tx
+
+        def flat_loss(params: dict[str, jax.Array], batch: jax.Array) -> jax.Array:
+            return loss_fn(named.unflatten(params), batch)
+
+        def train_step(params: Any, opt_state: Any, batch: jax.Array) -> Any:
+            loss, grads = jax.value_and_grad(flat_loss)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self._train_step = jax.jit(train_step, donate_argnums=(0, 1))
+        self._eval_loss = jax.jit(flat_loss)
+
+    # --- the loop -------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        start = time.monotonic()
+        self.join()
+        self.compile()
+        self._load_position()
+        self.timeline.badput["startup"] += time.monotonic() - start
+        last_heartbeat = 0.0
+        first = True
+        while not self.stop_requested.is_set() and (not self.s.steps or self.step < self.s.steps):
+            self.client.check()
+            t0 = time.monotonic()
+            batch = jax.device_put(self.w.batches.next(), self.batch_sharding)
+            self.params, self.opt_state, loss = self._train_step(self.params, self.opt_state, batch)
+            self.loss = float(loss)  # waits for the step: its time is compute time
+            seconds = time.monotonic() - t0
+            if self.s.speed < 1.0:  # stand-in for slower hardware
+                time.sleep(seconds * (1.0 / self.s.speed - 1.0))
+                seconds = time.monotonic() - t0
+            if first:  # the first step compiles: start-up, not progress
+                self.timeline.badput["compile"] += seconds
+                first = False
+            else:
+                self.ema_step_s = (
+                    seconds
+                    if not self.ema_step_s
+                    else (EMA_DECAY * self.ema_step_s + (1 - EMA_DECAY) * seconds)
+                )
+            self._after_step(seconds)
+            if time.monotonic() - last_heartbeat >= self.s.heartbeat_s:
+                last_heartbeat = time.monotonic()
+                self._heartbeat()
+        self.final_sync()
+        return self.summary()
+
+    def _after_step(self, seconds: float) -> None:
+        self.step += 1
+        self.tokens += self.w.tokens_per_batch
+        tm.LEARNER_STEPS.inc()
+        tm.LEARNER_TOKENS.inc(self.w.tokens_per_batch)
+        tm.LEARNER_STEP_SECONDS.observe(seconds)
+        tm.LEARNER_LOSS.set(self.loss)
+        for f in self.outer.fragments:
+            f.count(self.w.tokens_per_batch, seconds)
+        if self.step % max(1, self.s.log_every) == 0 or self.step == 1:
+            self.timeline.losses.append((self.timeline.now(), self.step, self.tokens, self.loss))
+        self._apply_arrivals()
+        self._drain_acks()
+        for p in due_fragments(self.step, self.P, self.H):
+            self.outer.fragments[p].due = True
+        for p, f in enumerate(self.outer.fragments):
+            if f.due and not f.in_flight:
+                self._send(p)
+                if self.mode == "sync":
+                    self._wait_for(p, source="waiting")
+        if self.s.eval_every and self.step % self.s.eval_every == 0:
+            self._evaluate()
+
+    def _send(self, p: int) -> None:
+        f = self.outer.fragments[p]
+        theta = self.layout.gather(p, self._host_leaves(p))
+        payload = f.outer_gradient(theta)
+        seq = self.client.send_update(
+            fragment=p,
+            payload=payload,
+            codec=self.codec.wire,
+            block_size=self.block_size,
+            num_elements=theta.size,
+            base_version=f.version,
+            c_steps=f.steps,
+            c_tokens=f.tokens,
+            compute_seconds=f.compute_seconds,
+        )
+        self.pending_acks[seq] = (p, f.compute_seconds)
+
+    def _host_leaves(self, p: int) -> dict[str, np.ndarray]:
+        names = [leaf.name for leaf in self.layout.fragments[p].leaves]
+        return dict(zip(names, jax.device_get([self.params[n] for n in names]), strict=True))
+
+    def _apply_arrivals(self, timeout: float = 0.0) -> bool:
+        """Apply global values that arrived; return True if any reply was adopted."""
+        adopted = False
+        while True:
+            try:
+                g: GlobalFragment = self.client.fragments.get(timeout=timeout)
+            except queue.Empty:
+                return adopted
+            timeout = 0.0
+            f = self.outer.fragments[g.fragment]
+            if f.receive(g.values, g.version):
+                self._adopt(g.fragment, g.values, g.version)
+                adopted = True
+
+    def _adopt(self, p: int, value: np.ndarray, version: int) -> None:
+        f = self.outer.fragments[p]
+        theta = self.layout.gather(p, self._host_leaves(p)) if self.alpha else value
+        merged = merge_global(theta, value, self.alpha)
+        f.adopt(value, version)
+        for name, leaf in self.layout.scatter(p, merged).items():
+            self.params[name] = jax.device_put(jnp.asarray(leaf), self.replicated)
+
+    def _wait_for(self, p: int, source: str, timeout: float = FINAL_SYNC_TIMEOUT_S) -> None:
+        """Block until fragment p's reply is adopted (sync mode, final sync)."""
+        t0 = time.monotonic()
+        f = self.outer.fragments[p]
+        while f.in_flight and time.monotonic() - t0 < timeout:
+            self.client.check()
+            self._drain_acks()
+            if self._apply_arrivals(timeout=0.05):
+                continue
+            if self.stop_requested.is_set() and source == "waiting":
+                break
+        self.timeline.badput[source] += time.monotonic() - t0
+        tm.BADPUT_SECONDS.labels(source=source).inc(time.monotonic() - t0)
+
+    def _drain_acks(self) -> None:
+        for seq in list(self.pending_acks):
+            ack = self.client.stats.acks.get(seq)
+            if ack is None:
+                continue
+            p, compute = self.pending_acks.pop(seq)
+            if ack.status in (session_pb2.ACK_STATUS_ACCEPTED, session_pb2.ACK_STATUS_DUPLICATE):
+                tm.GOODPUT_SECONDS.inc(compute / self.P)
+                continue
+            log.warning("update_refused", fragment=p, reason=ack.reason)
+            self.timeline.badput["lost"] += compute / self.P
+            tm.BADPUT_SECONDS.labels(source="lost").inc(compute / self.P)
+            for g in self.client.fetch_state([p]):  # continue from the current global value
+                self.outer.fragments[p].receive(g.values, g.version)
+                self._adopt(p, g.values, g.version)
+
+    def _evaluate(self) -> None:
+        """Eval loss of the global model as this learner last adopted it."""
+        flat: dict[str, np.ndarray] = {}
+        for p, f in enumerate(self.outer.fragments):
+            value = f.latest if f.latest is not None and f.latest_version > f.version else f.base
+            flat.update(self.layout.scatter(p, value))
+        params = jax.device_put({k: jnp.asarray(v) for k, v in flat.items()}, self.replicated)
+        losses = [float(self._eval_loss(params, jnp.asarray(b))) for b in self.w.eval_batches]
+        self.eval_loss = float(np.mean(losses))
+        tm.LEARNER_EVAL_LOSS.set(self.eval_loss)
+        self.timeline.evals.append((self.timeline.now(), self.step, self.tokens, self.eval_loss))
+
+    def _heartbeat(self, done: bool = False) -> None:
+        elapsed = max(1e-9, time.time() - self.timeline.started)
+        self.client.heartbeat(
+            step=self.step,
+            step_time_ema_s=self.ema_step_s,
+            tokens_per_s=self.tokens / elapsed,
+            loss=self.loss,
+            eval_loss=self.eval_loss,
+            done=done,
+        )
+        self._save_position()
+
+    # --- the end --------------------------------------------------------------------------
+    def final_sync(self) -> None:
+        """Send what every fragment learned since its anchor and adopt the replies."""
+        for p, f in enumerate(self.outer.fragments):
+            if f.in_flight:
+                self._wait_for(p, source="waiting")
+            if f.steps and not f.in_flight:
+                self._send(p)
+        for p in range(self.P):
+            self._wait_for(p, source="waiting")
+        self._drain_acks()
+        self._heartbeat(done=True)
+        linger_until = time.monotonic() + self.s.linger_s
+        while time.monotonic() < linger_until and not self.stop_requested.is_set():
+            self._apply_arrivals(timeout=0.2)
+            self._heartbeat(done=True)
+        self._apply_arrivals(timeout=0.5)
+        # Training is over: nothing local is left to lose, so take the newest global values.
+        for p, f in enumerate(self.outer.fragments):
+            if f.latest is not None and f.latest_version > f.version:
+                self._adopt(p, f.latest, f.latest_version)
+        self._evaluate()
+        self._heartbeat(done=True)
+
+    def summary(self) -> dict[str, Any]:
+        checksums = [
+            codecs.checksum(self.layout.gather(p, self._host_leaves(p)).tobytes())
+            for p in range(self.P)
+        ]
+        wall = time.time() - self.timeline.started
+        return {
+            "learner": self.s.id,
+            "incarnation": self.incarnation,
+            "steps": self.step,
+            "tokens": self.tokens,
+            "parameters": sum(s.size for s in self.specs),
+            "wall_seconds": round(wall, 3),
+            "step_time_ema_s": self.ema_step_s,
+            "loss": {
+                "initial": self.timeline.losses[0][3] if self.timeline.losses else None,
+                "final": self.loss,
+            },
+            "eval_loss": self.eval_loss,
+            "losses": self.timeline.losses,
+            "evals": self.timeline.evals,
+            "badput_seconds": self.timeline.badput,
+            "versions": [f.version for f in self.outer.fragments],
+            "checksums": checksums,
+            "bytes": {"up": self.client.stats.bytes_up, "down": self.client.stats.bytes_down},
+            "reconnects": self.client.stats.reconnects,
+            "data_position": self.w.batches.position,
+        }
+
+    # --- read position --------------------------------------------------------------------
+    def _position_file(self) -> Any:
+        return None if self.s.state_dir is None else self.s.state_dir / f"{self.s.id}.position.json"
+
+    def _load_position(self) -> None:
+        path = self._position_file()
+        if path is not None:
+            self.w.batches.load(path)
+
+    def _save_position(self) -> None:
+        path = self._position_file()
+        if path is not None:
+            self.w.batches.save(path)
+
+    def close(self) -> None:
+        self._save_position()
+        self.client.close()
+
+
+def install_stop_handler(learner: Learner) -> None:
+    def handler(signum: int, _: Any) -> None:
+        log.info("stop_requested", signal=signal.Signals(signum).name)
+        learner.stop_requested.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def write_report(path: Any, summary: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary))
+    tmp.replace(path)

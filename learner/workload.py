@@ -1,0 +1,103 @@
+"""What a learner trains: parameters, a loss and batches. The built-in byte transformer, or
+any model a user names as `module:function`.
+
+A user function receives the learner's settings and returns a `Workload`. Its parameters
+may be any pytree of float arrays: leaves are named by their paths (`a/b/0`), which is what
+the fragment layout and the wire see.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from learner.data import Batches, eval_batches, load_corpus
+from learner.model import TransformerConfig, init_params, make_loss
+
+if TYPE_CHECKING:
+    from learner.settings import LearnerSettings
+
+FlatParams = dict[str, jax.Array]
+
+
+@dataclass
+class Workload:
+    params: Any  # pytree of float32 arrays
+    loss_fn: Callable[[Any, jax.Array], jax.Array]
+    batches: Batches
+    eval_batches: list[np.ndarray]
+    tokens_per_batch: int
+    flops_per_token: float = 0.0
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+@dataclass
+class Named:
+    """A pytree seen as a flat dict of named leaves, and back."""
+
+    names: list[str]
+    treedef: Any
+
+    @classmethod
+    def of(cls, tree: Any) -> Named:
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        return cls([_name(path) for path, _ in leaves], treedef)
+
+    def flatten(self, tree: Any) -> FlatParams:
+        return dict(zip(self.names, jax.tree.leaves(tree), strict=True))
+
+    def unflatten(self, flat: FlatParams) -> Any:
+        return jax.tree.unflatten(self.treedef, [flat[n] for n in self.names])
+
+
+def builtin(settings: LearnerSettings) -> Workload:
+    cfg = TransformerConfig(settings.layers, settings.width, settings.heads, settings.context)
+    corpus = load_corpus(settings.data, settings.shard, settings.num_shards)
+    batches = Batches(
+        corpus.train,
+        settings.batch_size,
+        settings.context,
+        seed=settings.seed * 100_003 + settings.shard,
+    )
+    return Workload(
+        params=init_params(cfg, settings.seed),
+        loss_fn=make_loss(cfg),
+        batches=batches,
+        eval_batches=eval_batches(
+            corpus.eval, settings.batch_size, settings.context, settings.eval_batches
+        ),
+        tokens_per_batch=settings.batch_size * settings.context,
+        flops_per_token=cfg.flops_per_token(),
+    )
+
+
+def load(settings: LearnerSettings) -> Workload:
+    if settings.model == "builtin":
+        return builtin(settings)
+    module_name, sep, function = settings.model.partition(":")
+    if not sep:
+        raise ValueError(f"--model {settings.model!r}: use 'builtin' or 'module:function'")
+    try:
+        factory = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"--model {settings.model!r} cannot be loaded: {err}") from None
+    workload = factory(settings)
+    if not isinstance(workload, Workload):
+        raise ValueError(f"--model {settings.model!r} must return a learner.workload.Workload")
+    return workload
