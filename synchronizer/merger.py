@@ -23,7 +23,7 @@ from synchronizer.store import Commit, PendingUpdate, Store
 
 log = structlog.get_logger("atoll.synchronizer.merger")
 
-MERGE_LEASE_S = 30.0
+MERGE_LEASE_S = 5.0  # renewed while a merge runs; a dead replica's lease lapses this fast
 SWEEP_INTERVAL_S = 0.25
 
 
@@ -88,6 +88,7 @@ class Merger:
             return  # another replica is merging this fragment
         self._busy.add(fragment)
         started = time.monotonic()
+        renewer = asyncio.create_task(self._renew(fragment, token))
         try:
             current = await self._store.fragment(fragment)
             pending = await self._store.pending(fragment)
@@ -122,7 +123,14 @@ class Merger:
                 seconds=round(time.monotonic() - started, 4),
             )
         finally:
+            renewer.cancel()
             self._busy.discard(fragment)
+
+    async def _renew(self, fragment: int, token: int) -> None:
+        while True:
+            await asyncio.sleep(MERGE_LEASE_S / 3)
+            if not await self._store.renew_merge_lease(fragment, token, MERGE_LEASE_S):
+                return
 
     def _compute(
         self,

@@ -76,6 +76,8 @@ def test_a_replica_killed_mid_run_loses_nothing_and_commits_each_round_once(
     all_acked = [u for batch in acked for u in batch]
     assert len(all_acked) == 4 * UPDATES_PER_CLIENT
     assert len(merged) == len(set(merged)), "no update applied twice"
+    pending = [r.hlen(support.key("pmeta", p)) for p in range(FRAGMENTS)]
+    assert pending == [0] * FRAGMENTS, f"updates still pending: {pending}"
     assert sorted(merged) == sorted(all_acked), "every acknowledged update merged, exactly once"
     assert clients[0].stats.reconnects >= 1
     assert clients[1].stats.reconnects >= 1
