@@ -29,4 +29,5 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         description="per-learner artificial speed (1 = full; 0.25 = 4x slower); default all 1",
     )
     live: bool = Field(True, description="show the live view when stdout is a terminal")
+    log_every: int = Field(10, ge=1, description="steps between loss points in summaries/plots")
     timeout_s: float = Field(3600.0, gt=0.0, description="stop everything after this long")

@@ -62,7 +62,10 @@ class LocalCluster:
         if not self.redis_url:
             self.redis = RedisServer(self.workdir / "redis", appendonly=True).start()
             self.redis_url = self.redis.url
-        job_args = flags(self.s, JobConfig.model_fields)
+        job = self.s
+        if job.mode == "sync" and job.quorum < job.learners:  # classic DiLoCo: all M learners
+            job = job.model_copy(update={"quorum": job.learners})
+        job_args = flags(job, JobConfig.model_fields)
         for i in range(self.s.synchronizers):
             child = synchronizer_child(
                 self.workdir,
@@ -105,6 +108,8 @@ class LocalCluster:
                 str(LINGER_S),
                 "--max-backoff-s",
                 "2",
+                "--log-every",
+                str(self.s.log_every),
             )
             self.learners.append(
                 Child(name, args, self.workdir / f"{name}.log", child_env(self.s.threads)).start()

@@ -36,6 +36,8 @@ class ModelConfig(BaseModel):
         0.02, gt=0.0, lt=0.5, description="share of the text held out for evaluation"
     )
     threads: int = Field(1, ge=1, le=256, description="CPU threads for JAX/XLA in this learner")
+    eval_every: int = Field(50, ge=0, description="steps between evals of the global model; 0 off")
+    eval_batches: int = Field(4, ge=1, description="batches per eval")
 
 
 class LearnerSettings(ModelConfig, AtollSettings):
@@ -58,8 +60,6 @@ class LearnerSettings(ModelConfig, AtollSettings):
         1.0, gt=0.0, le=1.0, description="artificial slowdown: 0.25 makes steps 4x slower"
     )
     heartbeat_s: float = Field(1.0, gt=0.0, description="seconds between heartbeats")
-    eval_every: int = Field(50, ge=0, description="steps between evals of the global model; 0 off")
-    eval_batches: int = Field(4, ge=1, description="batches per eval")
     metrics_listen: str = Field("", description="HOST:PORT for /metrics; empty: none")
     max_backoff_s: float = Field(5.0, gt=0.0, description="cap of the reconnect backoff")
     report: Path | None = Field(None, description="write this learner's summary JSON here")

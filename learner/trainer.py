@@ -352,6 +352,7 @@ class Learner:
             "tokens": self.tokens,
             "parameters": sum(s.size for s in self.specs),
             "wall_seconds": round(wall, 3),
+            "started_at": self.timeline.started,
             "step_time_ema_s": self.ema_step_s,
             "loss": {
                 "initial": self.timeline.losses[0][3] if self.timeline.losses else None,

@@ -54,10 +54,16 @@ class Decision:
 
 
 def required_quorum(policy: RoundPolicy, live_learners: int) -> int:
-    """K: the policy's quorum, or every live learner in sync mode (at least one)."""
+    """K for a round.
+
+    Sync mode: every learner of the job, as classic DiLoCo: at least the configured quorum
+    (the job's M) and every live learner, so a missing learner stops the job until it is back.
+    Decoupled mode: the configured quorum, or every live learner if fewer are alive (waiting
+    for learners that do not exist helps no one).
+    """
     if policy.mode == "sync":
-        return max(1, live_learners)
-    return policy.quorum
+        return max(1, policy.quorum, live_learners)
+    return max(1, min(policy.quorum, live_learners)) if live_learners else policy.quorum
 
 
 def decide(
@@ -66,7 +72,7 @@ def decide(
     if state.contributors == 0:
         return Decision(merge_now=False)
     k = required_quorum(policy, state.live_learners)
-    everyone_in = state.contributors >= max(1, state.live_learners)
+    everyone_in = state.contributors >= max(k, state.live_learners)
     if state.quorum_at is None:
         if state.contributors < k:
             return Decision(merge_now=False)

@@ -48,8 +48,16 @@ def test_fixed_grace_overrides_eq3() -> None:
     assert decide(state(2), policy, slowest_step_s=0.5, t_sync_s=0.2).merge_now
 
 
-def test_sync_mode_waits_for_every_live_learner_without_grace() -> None:
+def test_sync_mode_waits_for_every_learner_without_grace() -> None:
     policy = RoundPolicy("sync", 1, 10, 0.8, None)
     assert required_quorum(policy, 4) == 4
     assert not decide(state(3), policy, slowest_step_s=0.5, t_sync_s=0.2).merge_now
     assert decide(state(4), policy, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+    # The job's M learners, even while one of them is away.
+    of_four = RoundPolicy("sync", 4, 10, 0.8, None)
+    assert not decide(state(3, live=3), of_four, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+
+
+def test_decoupled_quorum_never_exceeds_the_live_learners() -> None:
+    assert required_quorum(POLICY, 1) == 1
+    assert required_quorum(POLICY, 4) == 2

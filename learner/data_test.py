@@ -1,0 +1,52 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from learner.data import Batches, DataError, eval_batches, load_corpus
+
+
+@pytest.fixture
+def corpus_dir(tmp_path: Path) -> Path:
+    for i in range(120):
+        (tmp_path / f"f{i:03d}.py").write_text(f"# file {i}\n" + "x = 1\n" * (50 + i))
+    return tmp_path
+
+
+def test_shards_are_disjoint_and_eval_is_shared(corpus_dir: Path) -> None:
+    a = load_corpus([corpus_dir], 0, 2)
+    b = load_corpus([corpus_dir], 1, 2)
+    assert a.eval.tobytes() == b.eval.tobytes()
+    assert a.train.tobytes() != b.train.tobytes()
+    assert b"# file 0\n" in a.eval.tobytes()  # every 50th file is held out
+    assert b"# file 0\n" not in a.train.tobytes() + b.train.tobytes()
+
+
+def test_batches_are_deterministic_and_resume_from_their_position(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    data = load_corpus([corpus_dir], 0, 1).train
+    first = Batches(data, 4, 16, seed=3)
+    seen = [first.next() for _ in range(5)]
+    assert all(b.shape == (4, 17) for b in seen)
+    first.save(tmp_path / "pos.json")
+    expected_next = first.next()
+    resumed = Batches(data, 4, 16, seed=3)
+    resumed.load(tmp_path / "pos.json")
+    assert resumed.position == 5
+    np.testing.assert_array_equal(resumed.next(), expected_next)
+
+
+def test_eval_batches_are_fixed(corpus_dir: Path) -> None:
+    data = load_corpus([corpus_dir], 0, 1).eval
+    one, two = eval_batches(data, 2, 8, 3), eval_batches(data, 2, 8, 3)
+    assert len(one) == 3
+    for x, y in zip(one, two, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_bad_data_paths_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        load_corpus([tmp_path / "missing"], 0, 1)
+    with pytest.raises(DataError, match="--shard"):
+        load_corpus([tmp_path], 3, 2)

@@ -1,0 +1,55 @@
+import numpy as np
+import pytest
+
+from learner.outer import FragmentState, due_fragments, fragment_offset, merge_global
+from services import codec as codecs
+
+
+@pytest.mark.parametrize(("fragments", "inner_steps"), [(1, 10), (4, 40), (3, 10), (8, 8)])
+def test_each_fragment_once_per_h_steps_staggered_by_h_over_p(
+    fragments: int, inner_steps: int
+) -> None:
+    sends: dict[int, list[int]] = {p: [] for p in range(fragments)}
+    for step in range(1, 10 * inner_steps + 1):
+        for p in due_fragments(step, fragments, inner_steps):
+            sends[p].append(step)
+    for p, steps in sends.items():
+        assert len(steps) == 10, p
+        assert all(b - a == inner_steps for a, b in zip(steps, steps[1:], strict=False))
+    firsts = sorted(steps[0] for steps in sends.values())
+    gaps = {b - a for a, b in zip(firsts, firsts[1:], strict=False)}
+    assert gaps <= {inner_steps // fragments, inner_steps // fragments + 1}
+    assert firsts[-1] == inner_steps
+    assert fragment_offset(fragments - 1, fragments, inner_steps) == 0
+
+
+def test_merge_with_alpha() -> None:
+    theta = np.array([1.0, 2.0], np.float32)
+    glob = np.array([3.0, 6.0], np.float32)
+    np.testing.assert_array_equal(merge_global(theta, glob, 0.0), glob)
+    np.testing.assert_allclose(merge_global(theta, glob, 0.25), [2.5, 5.0])
+
+
+def state(version: int = 0) -> FragmentState:
+    return FragmentState(
+        np.zeros(4, np.float32), version, codecs.ErrorFeedback(codecs.by_name("fp32"), 0)
+    )
+
+
+def test_only_the_reply_to_a_send_is_adopted() -> None:
+    f = state()
+    # Another learner's round: remembered, not adopted (no unsent progress is overwritten).
+    assert not f.receive(np.ones(4, np.float32), 1)
+    assert f.latest_version == 1
+    assert f.version == 0
+    f.count(tokens=100, seconds=0.5)
+    payload = f.outer_gradient(np.full(4, -1.0, np.float32))
+    assert np.frombuffer(payload, "<f4").tolist() == [1.0] * 4
+    assert f.in_flight
+    assert f.awaiting_above == 1
+    # Version 1 again, or anything not newer than what was known at send: not the reply.
+    assert not f.receive(np.ones(4, np.float32), 1)
+    assert f.receive(np.full(4, 2.0, np.float32), 2)
+    f.adopt(np.full(4, 2.0, np.float32), 2)
+    assert not f.in_flight
+    assert (f.steps, f.tokens, f.version) == (0, 0, 2)
