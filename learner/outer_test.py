@@ -1,3 +1,5 @@
+from itertools import pairwise
+
 import numpy as np
 import pytest
 
@@ -15,9 +17,9 @@ def test_each_fragment_once_per_h_steps_staggered_by_h_over_p(
             sends[p].append(step)
     for p, steps in sends.items():
         assert len(steps) == 10, p
-        assert all(b - a == inner_steps for a, b in zip(steps, steps[1:], strict=False))
+        assert all(b - a == inner_steps for a, b in pairwise(steps))
     firsts = sorted(steps[0] for steps in sends.values())
-    gaps = {b - a for a, b in zip(firsts, firsts[1:], strict=False)}
+    gaps = {b - a for a, b in pairwise(firsts)}
     assert gaps <= {inner_steps // fragments, inner_steps // fragments + 1}
     assert firsts[-1] == inner_steps
     assert fragment_offset(fragments - 1, fragments, inner_steps) == 0
