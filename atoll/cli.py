@@ -46,7 +46,9 @@ class UpCommand(UpSettings):
 class Atoll(BaseSettings):
     """atoll: resilient, low-bandwidth distributed training (Decoupled DiLoCo)."""
 
-    model_config = SettingsConfigDict(cli_kebab_case=True, cli_prog_name="atoll")
+    model_config = SettingsConfigDict(
+        cli_kebab_case=True, cli_prog_name="atoll", cli_implicit_flags=True
+    )
 
     synchronizer: CliSubCommand[SynchronizerCommand]
     learner: CliSubCommand[LearnerCommand]

@@ -27,6 +27,47 @@ class SynchronizerBench(_Output):
         run(self)
 
 
+class _Model(BaseModel):
+    layers: int = Field(4, ge=1, description="transformer layers")
+    width: int = Field(128, ge=8, description="model width")
+    heads: int = Field(4, ge=1, description="attention heads")
+    context: int = Field(128, ge=8, description="context length in bytes")
+    batch_size: int = Field(8, ge=1, description="sequences per step per learner")
+
+
+class QualityBench(_Model, _Output):
+    """Eval loss at equal tokens: data-parallel, sync DiLoCo and decoupled, M learners each."""
+
+    learners: int = Field(4, ge=2, le=16, description="M")
+    steps: int = Field(150, ge=10, description="inner steps per learner")
+    inner_steps: int = Field(30, ge=1, description="H")
+    fragments: int = Field(3, ge=1, description="P")
+    codec: str = Field("int8", description="codec of outer gradients")
+    eval_batches: int = Field(16, ge=1, description="eval batches (x batch size sequences)")
+    seed: int = Field(0, description="initialization and data seed")
+
+    def cli_cmd(self) -> None:
+        from bench.quality import run
+
+        run(self)
+
+
+class OverlapBench(_Model, _Output):
+    """Learner steps/s with syncing on against syncing off (`--standalone`)."""
+
+    batch_size: int = Field(16, ge=1, description="sequences per step (the learner default)")
+    steps: int = Field(300, ge=20, description="inner steps of each run")
+    inner_steps: int = Field(40, ge=1, description="H (the job default)")
+    fragments: int = Field(4, ge=1, description="P")
+    codec: str = Field("int8", description="codec of outer gradients")
+    threads: int = Field(1, ge=1, description="CPU threads of the learner in both runs")
+
+    def cli_cmd(self) -> None:
+        from bench.overlap import run
+
+        run(self)
+
+
 class RawSink(BaseModel):
     """Internal: the bare gRPC sink that `bench synchronizer` measures against."""
 
@@ -43,6 +84,12 @@ class BenchCommand(AtollSettings):
 
     synchronizer: CliSubCommand[SynchronizerBench] = Field(
         description="synchronizer ingest against raw gRPC streaming of the same bytes"
+    )
+    quality: CliSubCommand[QualityBench] = Field(
+        description="eval loss at equal tokens: data-parallel, sync and decoupled"
+    )
+    overlap: CliSubCommand[OverlapBench] = Field(
+        description="learner steps/s with syncing on against syncing off"
     )
     raw_sink: CliSubCommand[RawSink] = Field(description="internal: raw gRPC sink")
 

@@ -41,6 +41,17 @@ def merge_global(theta: np.ndarray, global_value: np.ndarray, alpha: float) -> n
     return (alpha * theta + (1.0 - alpha) * global_value).astype(np.float32)
 
 
+@dataclass(frozen=True)
+class Send:
+    """One update as taken at its step: the anchor and the counters since it."""
+
+    base: np.ndarray
+    version: int
+    steps: int
+    tokens: int
+    compute_seconds: float
+
+
 @dataclass
 class FragmentState:
     """What a learner keeps per fragment between two syncs."""
@@ -65,12 +76,17 @@ class FragmentState:
         self.tokens += tokens
         self.compute_seconds += seconds
 
-    def outer_gradient(self, theta: np.ndarray) -> bytes:
-        """Encode base - theta with error feedback, and wait for the reply."""
-        payload = self.feedback.encode((self.base - theta).astype(np.float32))
+    def begin_send(self) -> Send:
+        """Take what an update needs at this step, and start waiting for its reply."""
+        send = Send(self.base, self.version, self.steps, self.tokens, self.compute_seconds)
         self.awaiting_above = max(self.version, self.latest_version)
         self.due = False
-        return payload
+        return send
+
+    def encode(self, send: Send, theta: np.ndarray) -> bytes:
+        """The outer gradient base - theta, encoded with error feedback (any thread; one at a
+        time per fragment, as the residual carries over)."""
+        return self.feedback.encode((send.base - theta).astype(np.float32))
 
     def receive(self, value: np.ndarray, version: int) -> bool:
         """A global value arrived; return True if it is the reply to adopt now."""

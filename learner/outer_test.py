@@ -45,7 +45,9 @@ def test_only_the_reply_to_a_send_is_adopted() -> None:
     assert f.latest_version == 1
     assert f.version == 0
     f.count(tokens=100, seconds=0.5)
-    payload = f.outer_gradient(np.full(4, -1.0, np.float32))
+    send = f.begin_send()
+    assert (send.version, send.steps, send.tokens) == (0, 1, 100)
+    payload = f.encode(send, np.full(4, -1.0, np.float32))
     assert np.frombuffer(payload, "<f4").tolist() == [1.0] * 4
     assert f.in_flight
     assert f.awaiting_above == 1

@@ -64,6 +64,9 @@ class LearnerSettings(ModelConfig, AtollSettings):
     max_backoff_s: float = Field(5.0, gt=0.0, description="cap of the reconnect backoff")
     report: Path | None = Field(None, description="write this learner's summary JSON here")
     log_every: int = Field(10, ge=1, description="steps between loss points in the summary")
+    standalone: bool = Field(
+        False, description="train without a synchronizer (the baseline of `bench overlap`)"
+    )
     linger_s: float = Field(
         0.0,
         ge=0.0,

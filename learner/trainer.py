@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,10 @@ class Learner:
         self.loss = math.nan
         self.eval_loss = math.nan
         self.pending_acks: dict[int, tuple[int, float]] = {}  # seq -> (fragment, compute s)
+        # Encoding and queueing updates happen here, off the inner loop; one thread keeps
+        # each fragment's error feedback in order.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-encode")
+        self._encoding: list[Future[tuple[int, int, float]]] = []
         devices = jax.devices()
         if settings.batch_size % len(devices):
             raise ValueError(
@@ -161,16 +166,26 @@ class Learner:
         self._eval_loss = jax.jit(flat_loss)
 
     # --- the loop -------------------------------------------------------------------------
+    def start_alone(self) -> None:
+        """--standalone: no synchronizer, the inner loop only (the overlap baseline)."""
+        flat = self.named.flatten(self.w.params)
+        self.params = jax.device_put(dict(flat), self.replicated)
+        log.info("standalone", learner=self.s.id)
+
     def run(self) -> dict[str, Any]:
         start = time.monotonic()
-        self.join()
+        if self.s.standalone:
+            self.start_alone()
+        else:
+            self.join()
         self.compile()
         self._load_position()
         self.timeline.badput["startup"] += time.monotonic() - start
         last_heartbeat = 0.0
         first = True
         while not self.stop_requested.is_set() and (not self.s.steps or self.step < self.s.steps):
-            self.client.check()
+            if not self.s.standalone:
+                self.client.check()
             t0 = time.monotonic()
             batch = jax.device_put(self.w.batches.next(), self.batch_sharding)
             self.params, self.opt_state, loss = self._train_step(self.params, self.opt_state, batch)
@@ -188,24 +203,34 @@ class Learner:
                     if not self.ema_step_s
                     else (EMA_DECAY * self.ema_step_s + (1 - EMA_DECAY) * seconds)
                 )
-            self._after_step(seconds)
+            self._record_step(seconds)
+            if self.s.standalone:
+                continue
+            self._sync_step()
             if time.monotonic() - last_heartbeat >= self.s.heartbeat_s:
                 last_heartbeat = time.monotonic()
                 self._heartbeat()
-        self.final_sync()
+        if self.s.standalone:
+            self._evaluate()
+        else:
+            self.final_sync()
         return self.summary()
 
-    def _after_step(self, seconds: float) -> None:
+    def _record_step(self, seconds: float) -> None:
         self.step += 1
         self.tokens += self.w.tokens_per_batch
         tm.LEARNER_STEPS.inc()
         tm.LEARNER_TOKENS.inc(self.w.tokens_per_batch)
         tm.LEARNER_STEP_SECONDS.observe(seconds)
         tm.LEARNER_LOSS.set(self.loss)
-        for f in self.outer.fragments:
-            f.count(self.w.tokens_per_batch, seconds)
+        self._last_step_s = seconds
         if self.step % max(1, self.s.log_every) == 0 or self.step == 1:
             self.timeline.losses.append((self.timeline.now(), self.step, self.tokens, self.loss))
+
+    def _sync_step(self) -> None:
+        """Between two steps: adopt replies, send due fragments (sync mode: wait for them)."""
+        for f in self.outer.fragments:
+            f.count(self.w.tokens_per_batch, self._last_step_s)
         self._apply_arrivals()
         self._drain_acks()
         for p in due_fragments(self.step, self.P, self.H):
@@ -219,21 +244,30 @@ class Learner:
             self._evaluate()
 
     def _send(self, p: int) -> None:
+        """Start fragment p's update; the encoder thread finishes and queues it."""
         f = self.outer.fragments[p]
-        theta = self.layout.gather(p, self._host_leaves(p))
-        payload = f.outer_gradient(theta)
-        seq = self.client.send_update(
-            fragment=p,
-            payload=payload,
-            codec=self.codec.wire,
-            block_size=self.block_size,
-            num_elements=theta.size,
-            base_version=f.version,
-            c_steps=f.steps,
-            c_tokens=f.tokens,
-            compute_seconds=f.compute_seconds,
-        )
-        self.pending_acks[seq] = (p, f.compute_seconds)
+        send = f.begin_send()
+        names = [leaf.name for leaf in self.layout.fragments[p].leaves]
+        # A device-side copy: the step donates the parameters' buffers to the next one.
+        snapshot = [jnp.copy(self.params[n]) for n in names]
+
+        def encode_and_queue() -> tuple[int, int, float]:
+            host = dict(zip(names, jax.device_get(snapshot), strict=True))
+            theta = self.layout.gather(p, host)
+            seq = self.client.send_update(
+                fragment=p,
+                payload=f.encode(send, theta),
+                codec=self.codec.wire,
+                block_size=self.block_size,
+                num_elements=theta.size,
+                base_version=send.version,
+                c_steps=send.steps,
+                c_tokens=send.tokens,
+                compute_seconds=send.compute_seconds,
+            )
+            return seq, p, send.compute_seconds
+
+        self._encoding.append(self._encoder.submit(encode_and_queue))
 
     def _host_leaves(self, p: int) -> dict[str, np.ndarray]:
         names = [leaf.name for leaf in self.layout.fragments[p].leaves]
@@ -276,6 +310,14 @@ class Learner:
         tm.BADPUT_SECONDS.labels(source=source).inc(time.monotonic() - t0)
 
     def _drain_acks(self) -> None:
+        still = []
+        for job in self._encoding:
+            if job.done():
+                seq, p, compute = job.result()
+                self.pending_acks[seq] = (p, compute)
+            else:
+                still.append(job)
+        self._encoding = still
         for seq in list(self.pending_acks):
             ack = self.client.stats.acks.get(seq)
             if ack is None:
@@ -292,12 +334,14 @@ class Learner:
                 self._adopt(p, g.values, g.version)
 
     def _evaluate(self) -> None:
-        """Eval loss of the global model as this learner last adopted it."""
-        flat: dict[str, np.ndarray] = {}
-        for p, f in enumerate(self.outer.fragments):
-            value = f.latest if f.latest is not None and f.latest_version > f.version else f.base
-            flat.update(self.layout.scatter(p, value))
-        params = jax.device_put({k: jnp.asarray(v) for k, v in flat.items()}, self.replicated)
+        """Eval loss of the global model as this learner last saw it (standalone: its own)."""
+        params = self.params
+        if not self.s.standalone:
+            flat: dict[str, np.ndarray] = {}
+            for p, f in enumerate(self.outer.fragments):
+                newer = f.latest is not None and f.latest_version > f.version
+                flat.update(self.layout.scatter(p, f.latest if newer else f.base))  # type: ignore[arg-type]
+            params = jax.device_put({k: jnp.asarray(v) for k, v in flat.items()}, self.replicated)
         losses = [float(self._eval_loss(params, jnp.asarray(b))) for b in self.w.eval_batches]
         self.eval_loss = float(np.mean(losses))
         tm.LEARNER_EVAL_LOSS.set(self.eval_loss)
@@ -340,10 +384,15 @@ class Learner:
         self._heartbeat(done=True)
 
     def summary(self) -> dict[str, Any]:
-        checksums = [
-            codecs.checksum(self.layout.gather(p, self._host_leaves(p)).tobytes())
-            for p in range(self.P)
-        ]
+        synced = not self.s.standalone
+        checksums = (
+            [
+                codecs.checksum(self.layout.gather(p, self._host_leaves(p)).tobytes())
+                for p in range(self.P)
+            ]
+            if synced
+            else []
+        )
         wall = time.time() - self.timeline.started
         return {
             "learner": self.s.id,
@@ -362,7 +411,7 @@ class Learner:
             "losses": self.timeline.losses,
             "evals": self.timeline.evals,
             "badput_seconds": self.timeline.badput,
-            "versions": [f.version for f in self.outer.fragments],
+            "versions": [f.version for f in self.outer.fragments] if synced else [],
             "checksums": checksums,
             "bytes": {"up": self.client.stats.bytes_up, "down": self.client.stats.bytes_down},
             "reconnects": self.client.stats.reconnects,
@@ -384,6 +433,7 @@ class Learner:
             self.w.batches.save(path)
 
     def close(self) -> None:
+        self._encoder.shutdown(wait=True)
         self._save_position()
         self.client.close()
 

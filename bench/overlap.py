@@ -1,0 +1,85 @@
+"""`atoll bench overlap`: a learner's steps/s with syncing on, against the same learner with
+syncing off (`--standalone`), same model and machine, in one invocation.
+
+Both learners get the same CPU threads; with syncing on, the synchronizer and Redis run on
+this machine too, as in `atoll up`. Steps/s counts from the second step (the first compiles)
+to the last, so start-up and the final sync are left out of both.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bench.runs import atoll, learner_summaries, steps_per_second, up, write
+
+if TYPE_CHECKING:
+    from bench.settings import OverlapBench
+
+
+def run(settings: OverlapBench) -> None:
+    model = [
+        "--layers",
+        str(settings.layers),
+        "--width",
+        str(settings.width),
+        "--heads",
+        str(settings.heads),
+        "--context",
+        str(settings.context),
+        "--batch-size",
+        str(settings.batch_size),
+        "--threads",
+        str(settings.threads),
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--log-every",
+        "1",
+        "--steps",
+        str(settings.steps),
+    ]
+    with tempfile.TemporaryDirectory(prefix="atoll-overlap-") as tmp:
+        root = Path(tmp)
+        (root / "alone" / "w").mkdir(parents=True)
+        atoll(
+            [
+                "learner",
+                *model,
+                "--standalone",
+                "--id",
+                "alone",
+                "--report",
+                str(root / "alone" / "w" / "alone.summary.json"),
+            ]
+        )
+        nosync = steps_per_second(learner_summaries(root / "alone")[0], skip=2)
+        report = up(
+            root / "synced",
+            [
+                *model,
+                "--learners",
+                "1",
+                "--mode",
+                "decoupled",
+                "--inner-steps",
+                str(settings.inner_steps),
+                "--fragments",
+                str(settings.fragments),
+                "--codec",
+                settings.codec,
+            ],
+        )
+        synced = steps_per_second(learner_summaries(root / "synced")[0], skip=2)
+    write(
+        {
+            "steps": settings.steps,
+            "syncs": report["versions_committed"],
+            "steps_s_sync": round(synced, 4),
+            "steps_s_nosync": round(nosync, 4),
+            "overhead": round(1.0 - synced / nosync, 4),
+        },
+        settings.json_path,
+    )

@@ -1,0 +1,50 @@
+"""Benchmarks run the system as users do: `atoll up` and `atoll learner` as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def atoll(args: Sequence[str], timeout_s: float = 3600) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "atoll.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"atoll {' '.join(args[:1])} failed ({proc.returncode}):\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
+
+
+def up(workdir: Path, args: Sequence[str]) -> dict[str, Any]:
+    """Run `atoll up` with `args`; return its report."""
+    report = workdir / "report.json"
+    atoll(["up", "--workdir", str(workdir / "w"), "--report", str(report), "--no-live", *args])
+    return dict(json.loads(report.read_text()))
+
+
+def learner_summaries(workdir: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((workdir / "w").glob("*.summary.json"))]
+
+
+def steps_per_second(summary: dict[str, Any], skip: int = 1) -> float:
+    """Steps per second between step `skip` and the last step (the first step compiles)."""
+    points = [(t, step) for t, step, _, _ in summary["losses"] if step >= skip]
+    (t0, s0), (t1, s1) = points[0], points[-1]
+    return (s1 - s0) / (t1 - t0)
+
+
+def write(result: dict[str, Any], path: Path | None) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
