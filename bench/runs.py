@@ -39,7 +39,7 @@ def steps_per_second(summary: dict[str, Any], skip: int = 1) -> float:
     """Steps per second between step `skip` and the last step (the first step compiles)."""
     points = [(t, step) for t, step, _, _ in summary["losses"] if step >= skip]
     (t0, s0), (t1, s1) = points[0], points[-1]
-    return (s1 - s0) / (t1 - t0)
+    return float(s1 - s0) / float(t1 - t0)
 
 
 def write(result: dict[str, Any], path: Path | None) -> None:

@@ -40,7 +40,7 @@ class QualityBench(_Model, _Output):
 
     learners: int = Field(4, ge=2, le=16, description="M")
     steps: int = Field(150, ge=10, description="inner steps per learner")
-    inner_steps: int = Field(30, ge=1, description="H")
+    inner_steps: int = Field(12, ge=1, description="H")
     fragments: int = Field(3, ge=1, description="P")
     codec: str = Field("int8", description="codec of outer gradients")
     eval_batches: int = Field(16, ge=1, description="eval batches (x batch size sequences)")

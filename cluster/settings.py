@@ -15,7 +15,7 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
 
     learners: int = Field(3, ge=1, le=64, description="learner processes (M)")
     synchronizers: int = Field(1, ge=1, le=8, description="synchronizer replicas")
-    steps: int = Field(300, ge=1, description="inner steps each learner runs")
+    steps: int = Field(200, ge=1, description="inner steps each learner runs")
     redis_url: str = Field(
         "", description="use this Redis instead of starting one (redis://HOST:PORT/DB)"
     )

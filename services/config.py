@@ -55,7 +55,13 @@ class JobConfig(BaseModel):
         None, ge=0.0, description="fixed grace window in seconds; unset: adaptive (Eq. 3)"
     )
     outer_lr: float = Field(0.7, gt=0.0, description="outer Nesterov SGD learning rate")
-    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer Nesterov momentum")
+    outer_momentum: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="outer Nesterov momentum (DiLoCo's 0.9 suits H in the hundreds; measured "
+        "here it destabilises decoupled partial rounds, see docs/algorithm.md)",
+    )
     merge_alpha: float = Field(
         0.0, ge=0.0, le=1.0, description="learner merge: theta <- alpha*theta + (1-alpha)*global"
     )
