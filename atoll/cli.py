@@ -14,6 +14,7 @@ from bench.settings import BenchCommand
 from cluster.settings import UpSettings
 from learner.settings import LearnerSettings
 from services.config import SynchronizerSettings
+from services.lifecycle import watch_parent
 
 
 class SynchronizerCommand(SynchronizerSettings):
@@ -61,6 +62,7 @@ class Atoll(BaseSettings):
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    watch_parent()
     try:
         CliApp.run(Atoll, cli_args=args)
     except ValidationError as err:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.lifecycle import PARENT_ENV
+
 
 def atoll_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "atoll.cli", *args]
@@ -36,6 +38,7 @@ def child_env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str
             "OPENBLAS_NUM_THREADS": str(threads),
             "MKL_NUM_THREADS": str(threads),
             "TF_CPP_MIN_LOG_LEVEL": "2",
+            PARENT_ENV: str(os.getpid()),
         }
     )
     env.update(extra or {})

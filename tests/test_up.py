@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -117,3 +118,35 @@ def test_sync_mode_keeps_every_learner_within_one_fragment_interval(tmp_path: Pa
     steps = [np.interp(grid, t, s) for t, s in timelines]
     gap = np.max(np.abs(steps[0] - steps[1]))
     assert gap <= h / p + 1, f"a learner ran {gap:.1f} steps ahead in sync mode"
+
+
+def test_killing_atoll_up_leaves_no_process_behind(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "atoll.cli",
+            "up",
+            "--workdir",
+            str(tmp_path / "w"),
+            *SMALL,
+            "--learners",
+            "2",
+            "--steps",
+            "100000",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    up = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 120
+    children: list[psutil.Process] = []
+    while len(children) < 4 and time.monotonic() < deadline:  # redis, synchronizer, 2 learners
+        time.sleep(0.5)
+        children = up.children()
+    assert len(children) >= 4, f"the cluster did not start: {children}"
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(children, timeout=20)
+    assert not alive, f"left behind after SIGKILL of atoll up: {[p.cmdline() for p in alive]}"
+    assert len(gone) == len(children)
