@@ -51,6 +51,20 @@ def check_invariants(
     return Invariants(not problems, lost, double, problems)
 
 
+def merged_by_incarnation(
+    commit_logs: Sequence[Sequence[dict[str, Any]]],
+) -> dict[str, dict[str, int]]:
+    """learner -> incarnation -> updates of that incarnation merged (uids are l/i/seq)."""
+    out: dict[str, dict[str, int]] = {}
+    for log in commit_logs:
+        for entry in log:
+            for uid in entry["uids"]:
+                learner, incarnation, _ = uid.rsplit("/", 2)
+                per = out.setdefault(learner, {})
+                per[incarnation] = per.get(incarnation, 0) + 1
+    return out
+
+
 def build_report(
     *,
     settings: dict[str, Any],
@@ -60,6 +74,9 @@ def build_report(
     invariants: Invariants,
     eval_loss: float,
     faults: Sequence[dict[str, Any]] = (),
+    started_at: float = 0.0,
+    merged: dict[str, dict[str, int]] | None = None,
+    commit_logs: Sequence[Sequence[dict[str, Any]]] = (),
 ) -> dict[str, Any]:
     learners = int(settings["learners"])
     parameters = int(summaries[0]["parameters"]) if summaries else 0
@@ -77,6 +94,7 @@ def build_report(
         "codec": settings["codec"],
         "parameters": parameters,
         "wall_seconds": round(wall_seconds, 3),
+        "started_at": started_at,
         "tokens_total": sum(int(s["tokens"]) for s in summaries),
         "tokens_merged": round(stats.get("tokens_merged", 0.0)),
         "goodput": round(stats.get("useful_seconds", 0.0) / provisioned, 4) if provisioned else 0.0,
@@ -101,24 +119,31 @@ def build_report(
             "double_applied": invariants.double_applied,
             "problems": invariants.problems,
         },
+        "commits": [
+            {k: e.get(k) for k in ("fragment", "version", "learners", "scale", "committed_at")}
+            for log in commit_logs
+            for e in log
+        ],
         "per_learner": [
             {
-                k: s[k]
-                for k in (
-                    "learner",
-                    "steps",
-                    "tokens",
-                    "eval_loss",
-                    "reconnects",
-                    "badput_seconds",
-                    "step_time_ema_s",
-                )
+                **{k: s[k] for k in PER_LEARNER_KEYS},
+                "merged_by_incarnation": (merged or {}).get(s["learner"], {}),
             }
             for s in summaries
         ],
     }
 
 
+PER_LEARNER_KEYS = (
+    "learner",
+    "incarnation",
+    "steps",
+    "tokens",
+    "eval_loss",
+    "reconnects",
+    "badput_seconds",
+    "step_time_ema_s",
+)
 REQUIRED_KEYS = (
     "learners",
     "fragments",

@@ -31,3 +31,11 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
     live: bool = Field(True, description="show the live view when stdout is a terminal")
     log_every: int = Field(10, ge=1, description="steps between loss points in summaries/plots")
     timeout_s: float = Field(3600.0, gt=0.0, description="stop everything after this long")
+    chaos: str = Field(
+        "",
+        description="faults to inject, 'KIND:key=value,...;...' with KIND learner-kill (mtbf, "
+        "down), learner-pause (mtbf, for), synchronizer-kill (mtbf, down) or redis-restart "
+        "(mtbf); mtbf is cluster-wide, at=20s+40s places faults at fixed times, victim=N pins "
+        "the victim; times count from the first inner step; the schedule follows --seed. "
+        "Example: 'learner-kill:mtbf=30s,down=5s'",
+    )

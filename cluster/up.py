@@ -21,9 +21,10 @@ from typing import Any
 
 import redis
 
+from cluster.chaos import ChaosError, Fault, parse, schedule
 from cluster.processes import Child, SynchronizerChild, atoll_command, child_env, synchronizer_child
 from cluster.redis_server import RedisServer
-from cluster.report import build_report, check_invariants
+from cluster.report import build_report, check_invariants, merged_by_incarnation
 from cluster.settings import UpSettings
 from cluster.view import ClusterState, LiveView, read_state
 from learner.settings import ModelConfig
@@ -56,6 +57,66 @@ class LocalCluster:
         self.synchronizers: list[SynchronizerChild] = []
         self.learners: list[Child] = []
         self.started = time.time()
+        self.faults: list[Fault] = []
+        self.injected: list[dict[str, Any]] = []
+        self._later: list[tuple[float, str, Child]] = []  # (time, action, child)
+        self._down: set[str] = set()  # children a fault stopped on purpose
+        self._training_since: float | None = None
+
+    def plan_faults(self) -> None:
+        if not self.s.chaos:
+            return
+        if self.s.redis_url and "redis-restart" in self.s.chaos:
+            raise ValueError("redis-restart needs the Redis atoll up starts; drop --redis-url")
+        population = {
+            "learners": self.s.learners,
+            "synchronizers": self.s.synchronizers,
+            "redis": 1,
+        }
+        self.faults = schedule(
+            parse(self.s.chaos), seed=self.s.seed, horizon_s=self.s.timeout_s, population=population
+        )
+
+    def inject_due_faults(self, state: ClusterState) -> None:
+        """Fault times count from the first inner step of any learner (start-up excluded)."""
+        if self._training_since is None:
+            if not any(float(f.get("step", 0)) >= 1 for f in state.learners.values()):
+                return
+            self._training_since = time.time()
+        now = time.time() - self._training_since
+        for at, action, child in [x for x in self._later if x[0] <= now]:
+            self._later.remove((at, action, child))
+            if action == "start":
+                child.start()
+                self._down.discard(child.name)
+            else:
+                child.signal(signal.SIGCONT)
+        while self.faults and self.faults[0].at_s <= now:
+            fault = self.faults.pop(0)
+            if state.learners_done:  # the run is ending: no more faults
+                self.faults.clear()
+                return
+            self._inject(fault, now)
+
+    def _inject(self, fault: Fault, now: float) -> None:
+        if fault.kind == "redis-restart":
+            assert self.redis is not None
+            self.redis.restart(signal.SIGKILL)
+        else:
+            group = self.learners if fault.kind.startswith("learner") else self.synchronizers
+            child = group[fault.victim]
+            if not child.alive() or child.name in self._down:
+                return  # already down: this fault is moot
+            if fault.kind == "learner-pause":
+                child.signal(signal.SIGSTOP)
+                self._later.append((now + fault.duration_s, "cont", child))
+            else:
+                self._down.add(child.name)
+                child.kill()
+                self._later.append((now + fault.duration_s, "start", child))
+        self.injected.append(
+            {**fault.as_dict(), "injected_at_s": round(time.time() - self.started, 3)}
+        )
 
     # --- start ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -132,14 +193,18 @@ class LocalCluster:
             view.update(state, self)
             if state.versions != last_versions:
                 last_versions, quiet_since = state.versions, time.monotonic()
+            self.inject_due_faults(state)
             failed = [
                 c
                 for c in self.learners
-                if not c.alive() and c.process is not None and c.process.returncode != 0
+                if not c.alive()
+                and c.process is not None
+                and c.process.returncode != 0
+                and c.name not in self._down
             ]
             if failed:
                 raise RuntimeError(f"{failed[0].name} failed:\n{failed[0].tail()}")
-            if not any(c.alive() for c in self.learners):
+            if not any(c.alive() for c in self.learners) and not self._down:
                 return state
             all_done = state.learners_done >= self.s.learners and state.pending == 0
             if all_done and time.monotonic() - quiet_since >= QUIET_BEFORE_STOP_S:
@@ -189,6 +254,10 @@ class LocalCluster:
             wall_seconds=time.time() - self.started,
             invariants=invariants,
             eval_loss=min(evals) if evals else math.nan,
+            faults=self.injected,
+            started_at=self.started,
+            merged=merged_by_incarnation(logs),
+            commit_logs=logs,
         )
 
 
@@ -204,13 +273,14 @@ def run(settings: UpSettings) -> int:
     view = LiveView(settings.live and sys.stdout.isatty(), workdir)
     try:
         with view:
+            cluster.plan_faults()
             cluster.start()
             state = cluster.wait(view)
         report = cluster.report(state)
     except KeyboardInterrupt:
         print("atoll up: interrupted; stopping every process", file=sys.stderr)
         return 130
-    except (RuntimeError, TimeoutError, ValueError, FileNotFoundError) as err:
+    except (RuntimeError, TimeoutError, ValueError, FileNotFoundError, ChaosError) as err:
         print(f"atoll up: {err}", file=sys.stderr)
         print(f"atoll up: logs are in {workdir}", file=sys.stderr)
         return 1

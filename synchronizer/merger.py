@@ -186,6 +186,7 @@ class Merger:
                 "scale": scale,
                 "base_versions": [c.base_version for c in contributions],
                 "replica": self._replica,
+                "committed_at": time.time(),
             },
         )
 

@@ -138,15 +138,17 @@ def test_killing_atoll_up_leaves_no_process_behind(tmp_path: Path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    up = psutil.Process(proc.pid)
-    deadline = time.monotonic() + 120
-    children: list[psutil.Process] = []
-    while len(children) < 4 and time.monotonic() < deadline:  # redis, synchronizer, 2 learners
-        time.sleep(0.5)
-        children = up.children()
-    assert len(children) >= 4, f"the cluster did not start: {children}"
-    proc.kill()
-    proc.wait()
+    try:
+        up = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 120
+        children: list[psutil.Process] = []
+        while len(children) < 4 and time.monotonic() < deadline:  # redis, sync, 2 learners
+            time.sleep(0.5)
+            children = up.children()
+        assert len(children) >= 4, f"the cluster did not start: {children}"
+    finally:
+        proc.kill()
+        proc.wait()
     gone, alive = psutil.wait_procs(children, timeout=20)
     assert not alive, f"left behind after SIGKILL of atoll up: {[p.cmdline() for p in alive]}"
     assert len(gone) == len(children)

@@ -1,0 +1,68 @@
+"""Failures as normal operation: `atoll up --chaos` with real processes killed and paused.
+
+Each test asserts the invariants (no acknowledged update lost, none applied twice, versions
+consecutive with each round committed once, every learner ending on the final global model)
+and progress, not just survival.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.test_up import up
+
+STEPS, H = 1200, 60
+FAST = ["--steps", str(STEPS), "--inner-steps", str(H), "--fragments", "3"]
+
+
+def check(report: dict[str, Any], faults: int) -> None:
+    assert report["invariants"]["ok"], report["invariants"]
+    assert report["faults"]["injected"] == faults, report["faults"]
+    assert report["loss"]["final"] < report["loss"]["initial"]
+
+
+def test_a_killed_learner_rejoins_and_its_later_updates_are_merged(tmp_path: Path) -> None:
+    report = up(
+        tmp_path, "--learners", "3", *FAST, "--chaos", "learner-kill:at=5s,down=3s,victim=1"
+    )
+    check(report, 1)
+    victim = next(p for p in report["per_learner"] if p["learner"] == "learner-1")
+    incarnations = victim["merged_by_incarnation"]
+    assert len(incarnations) >= 2, incarnations  # updates from before and after the kill
+    assert incarnations.get(victim["incarnation"], 0) >= 1  # the new incarnation's too
+    assert victim["steps"] == STEPS  # it went on from its step count, not from zero
+
+
+def test_a_paused_learner_does_not_stop_the_others(tmp_path: Path) -> None:
+    report = up(
+        tmp_path, "--learners", "3", *FAST, "--chaos", "learner-pause:at=5s,for=8s,victim=0"
+    )
+    check(report, 1)
+    fault = report["faults"]["schedule"][0]
+    start = report["started_at"] + fault["injected_at_s"]
+    log = report["commits"]
+    during = [c for c in log if start + 1 <= c["committed_at"] <= start + fault["duration_s"]]
+    assert during, "no version was committed while a learner was paused"
+    assert all("learner-0" not in c["learners"] for c in during)
+
+
+def test_a_killed_synchronizer_replica_loses_nothing(tmp_path: Path) -> None:
+    report = up(
+        tmp_path,
+        "--learners",
+        "3",
+        "--synchronizers",
+        "2",
+        *FAST,
+        "--chaos",
+        "synchronizer-kill:at=5s,down=3s,victim=0",
+    )
+    check(report, 1)
+    assert sum(p["reconnects"] for p in report["per_learner"]) >= 1
+
+
+def test_redis_restarted_loses_no_committed_version(tmp_path: Path) -> None:
+    report = up(tmp_path, "--learners", "2", *FAST, "--chaos", "redis-restart:at=5s")
+    check(report, 1)
+    assert report["versions_committed"] >= STEPS // H - 3
