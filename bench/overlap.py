@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.runs import atoll, learner_summaries, steps_per_second, up, write
+from bench.runs import atoll, learner_summaries, model_flags, steps_per_second, up, write
 
 if TYPE_CHECKING:
     from bench.settings import OverlapBench
@@ -20,14 +20,7 @@ if TYPE_CHECKING:
 
 def run(settings: OverlapBench) -> None:
     model = [
-        "--layers",
-        str(settings.layers),
-        "--width",
-        str(settings.width),
-        "--heads",
-        str(settings.heads),
-        "--context",
-        str(settings.context),
+        *model_flags(settings),
         "--batch-size",
         str(settings.batch_size),
         "--threads",

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.runs import up, write
+from bench.runs import model_flags, up, write
 from services.bandwidth import dp_equivalent_bytes
 
 if TYPE_CHECKING:
@@ -23,14 +23,7 @@ if TYPE_CHECKING:
 def run(settings: QualityBench) -> None:
     m, steps = settings.learners, settings.steps
     model = [
-        "--layers",
-        str(settings.layers),
-        "--width",
-        str(settings.width),
-        "--heads",
-        str(settings.heads),
-        "--context",
-        str(settings.context),
+        *model_flags(settings),
         "--eval-batches",
         str(settings.eval_batches),
         "--eval-every",

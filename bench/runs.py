@@ -31,6 +31,20 @@ def up(workdir: Path, args: Sequence[str]) -> dict[str, Any]:
     return dict(json.loads(report.read_text()))
 
 
+def model_flags(settings: Any) -> list[str]:
+    """The built-in model's flags from a benchmark's settings."""
+    return [
+        "--layers",
+        str(settings.layers),
+        "--width",
+        str(settings.width),
+        "--heads",
+        str(settings.heads),
+        "--context",
+        str(settings.context),
+    ]
+
+
 def learner_summaries(workdir: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((workdir / "w").glob("*.summary.json"))]
 

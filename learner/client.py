@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -236,14 +237,11 @@ class SynchronizerClient:
     def fetch_state(self, fragments: Sequence[int] = ()) -> list[GlobalFragment]:
         """The current global value of `fragments` (all if empty), over the unary stream."""
         assert self._channel is not None, "connect() first"
-        fetch = self._channel.unary_stream(
-            f"/{SERVICE}/FetchState",
-            request_serializer=counting_serializer(
-                synchronizer_pb2.FetchStateRequest.SerializeToString, self._count_up
-            ),
-            response_deserializer=counting_parser(
-                fragment_pb2.GlobalFragmentChunk.FromString, self._count_down
-            ),
+        fetch = self._method(
+            "unary_stream",
+            "FetchState",
+            synchronizer_pb2.FetchStateRequest,
+            fragment_pb2.GlobalFragmentChunk,
         )
         request = synchronizer_pb2.FetchStateRequest(job=self.job, fragments=list(fragments))
         out: list[GlobalFragment] = []
@@ -259,6 +257,14 @@ class SynchronizerClient:
         return out
 
     # --- the session thread -------------------------------------------------------------
+    def _method(self, kind: str, name: str, request: Any, response: Any) -> Any:
+        """A call of the synchronizer service whose messages count their bytes on the way."""
+        return getattr(self._channel, kind)(
+            f"/{SERVICE}/{name}",
+            request_serializer=counting_serializer(request.SerializeToString, self._count_up),
+            response_deserializer=counting_parser(response.FromString, self._count_down),
+        )
+
     def _count_up(self, size: int) -> None:
         self.stats.bytes_up += size
         tm.LEARNER_BYTES.labels(direction="up").inc(size)
@@ -322,14 +328,8 @@ class SynchronizerClient:
         if self._channel is not None:
             self._channel.close()
         self._channel = grpc.insecure_channel(address, options=channel_options(self.max_backoff_s))
-        session = self._channel.stream_stream(
-            f"/{SERVICE}/Session",
-            request_serializer=counting_serializer(
-                session_pb2.LearnerMessage.SerializeToString, self._count_up
-            ),
-            response_deserializer=counting_parser(
-                session_pb2.SynchronizerMessage.FromString, self._count_down
-            ),
+        session = self._method(
+            "stream_stream", "Session", session_pb2.LearnerMessage, session_pb2.SynchronizerMessage
         )
         outbox: queue.Queue[session_pb2.LearnerMessage | None] = queue.Queue()
         outbox.put(self._hello())
@@ -351,7 +351,7 @@ class SynchronizerClient:
                     break
         finally:
             outbox.put(None)
-            responses.cancel()  # type: ignore[no-untyped-call]
+            responses.cancel()
 
     def _on_ack(
         self, ack: session_pb2.Ack, outbox: queue.Queue[session_pb2.LearnerMessage | None]

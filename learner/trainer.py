@@ -63,6 +63,7 @@ class Learner:
             LeafSpec(n, tuple(int(d) for d in v.shape), "float32") for n, v in flat.items()
         ]
         self.timeline = Timeline()
+        self._provisioned_until = time.monotonic()
         self.stop_requested = threading.Event()
         self.step = 0
         self.tokens = 0
@@ -181,7 +182,7 @@ class Learner:
             self.join()
         self.compile()
         self._load_position()
-        self.timeline.badput["startup"] += time.monotonic() - start
+        self._badput("startup", time.monotonic() - start)
         last_heartbeat = 0.0
         first = True
         while not self.stop_requested.is_set() and (not self.s.steps or self.step < self.s.steps):
@@ -196,7 +197,7 @@ class Learner:
                 time.sleep(seconds * (1.0 / self.s.speed - 1.0))
                 seconds = time.monotonic() - t0
             if first:  # the first step compiles: start-up, not progress
-                self.timeline.badput["compile"] += seconds
+                self._badput("compile", seconds)
                 first = False
             else:
                 self.ema_step_s = (
@@ -307,8 +308,7 @@ class Learner:
                 continue
             if self.stop_requested.is_set() and source == "waiting":
                 break
-        self.timeline.badput[source] += time.monotonic() - t0
-        tm.BADPUT_SECONDS.labels(source=source).inc(time.monotonic() - t0)
+        self._badput(source, time.monotonic() - t0)
 
     def _drain_acks(self) -> None:
         still = []
@@ -328,8 +328,7 @@ class Learner:
                 tm.GOODPUT_SECONDS.inc(compute / self.P)
                 continue
             log.warning("update_refused", fragment=p, reason=ack.reason)
-            self.timeline.badput["lost"] += compute / self.P
-            tm.BADPUT_SECONDS.labels(source="lost").inc(compute / self.P)
+            self._badput("lost", compute / self.P)
             for g in self.client.fetch_state([p]):  # continue from the current global value
                 self.outer.fragments[p].receive(g.values, g.version)
                 self._adopt(p, g.values, g.version)
@@ -348,7 +347,14 @@ class Learner:
         tm.LEARNER_EVAL_LOSS.set(self.eval_loss)
         self.timeline.evals.append((self.timeline.now(), self.step, self.tokens, self.eval_loss))
 
+    def _badput(self, source: str, seconds: float) -> None:
+        self.timeline.badput[source] += seconds
+        tm.BADPUT_SECONDS.labels(source=source).inc(seconds)
+
     def _heartbeat(self, done: bool = False) -> None:
+        now = time.monotonic()
+        tm.PROVISIONED_SECONDS.inc(now - self._provisioned_until)
+        self._provisioned_until = now
         elapsed = max(1e-9, time.time() - self.timeline.started)
         self.client.heartbeat(
             step=self.step,

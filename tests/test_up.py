@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import psutil
 
+from cluster.processes import atoll_command
 from cluster.report import missing_keys
 
 SMALL = [
@@ -36,10 +36,7 @@ def up(tmp_path: Path, *args: str, timeout: float = 400) -> dict[str, object]:
     report = tmp_path / "r.json"
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "atoll.cli",
-            "up",
+            *atoll_command("up"),
             "--workdir",
             str(tmp_path / "w"),
             "--report",
@@ -123,10 +120,7 @@ def test_sync_mode_keeps_every_learner_within_one_fragment_interval(tmp_path: Pa
 def test_killing_atoll_up_leaves_no_process_behind(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "atoll.cli",
-            "up",
+            *atoll_command("up"),
             "--workdir",
             str(tmp_path / "w"),
             *SMALL,
