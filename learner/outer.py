@@ -101,6 +101,7 @@ class FragmentState:
         self.version = version
         self.latest_version = max(self.latest_version, version)
         self.awaiting_above = None
+        self.due = False  # a sync that waited for this reply has nothing left to send
         self.steps, self.tokens, self.compute_seconds = 0, 0, 0.0
 
 

@@ -57,3 +57,14 @@ def test_only_the_reply_to_a_send_is_adopted() -> None:
     f.adopt(np.full(4, 2.0, np.float32), 2)
     assert not f.in_flight
     assert (f.steps, f.tokens, f.version) == (0, 0, 2)
+
+
+def test_a_late_reply_does_not_trigger_an_empty_send() -> None:
+    f = state()
+    f.count(tokens=10, seconds=0.1)
+    f.begin_send()
+    f.due = True  # due again while the reply is still in flight
+    assert f.receive(np.ones(4, np.float32), 1)
+    f.adopt(np.ones(4, np.float32), 1)
+    assert not f.due
+    assert f.steps == 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +76,7 @@ class Learner:
         # each fragment's error feedback in order.
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-encode")
         self._encoding: list[Future[tuple[int, int, float]]] = []
+        self._refetch: set[int] = set()
         devices = jax.devices()
         if settings.batch_size % len(devices):
             raise ValueError(
@@ -238,7 +240,7 @@ class Learner:
         for p in due_fragments(self.step, self.P, self.H):
             self.outer.fragments[p].due = True
         for p, f in enumerate(self.outer.fragments):
-            if f.due and not f.in_flight:
+            if f.due and not f.in_flight and f.steps:
                 self._send(p)
                 if self.mode == "sync":
                     self._wait_for(p, source="waiting")
@@ -329,9 +331,23 @@ class Learner:
                 continue
             log.warning("update_refused", fragment=p, reason=ack.reason)
             self._badput("lost", compute / self.P)
-            for g in self.client.fetch_state([p]):  # continue from the current global value
-                self.outer.fragments[p].receive(g.values, g.version)
-                self._adopt(p, g.values, g.version)
+            self._refetch.add(p)  # continue from the current global value
+        self._fetch_refused()
+
+    def _fetch_refused(self) -> None:
+        """Adopt the current global value of fragments whose update was refused; if no
+        synchronizer answers now, the next step tries again (the session reconnects)."""
+        if not self._refetch:
+            return
+        try:
+            fetched = self.client.fetch_state(sorted(self._refetch))
+        except grpc.RpcError as err:
+            log.info("refetch_deferred", fragments=sorted(self._refetch), error=str(err.code()))
+            return
+        for g in fetched:
+            self.outer.fragments[g.fragment].receive(g.values, g.version)
+            self._adopt(g.fragment, g.values, g.version)
+            self._refetch.discard(g.fragment)
 
     def _evaluate(self) -> None:
         """Eval loss of the global model as this learner last saw it (standalone: its own)."""
