@@ -12,7 +12,15 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.runs import atoll, learner_summaries, model_flags, steps_per_second, up, write
+from bench.runs import (
+    algorithm_flags,
+    atoll,
+    learner_summaries,
+    model_flags,
+    steps_per_second,
+    up,
+    write,
+)
 
 if TYPE_CHECKING:
     from bench.settings import OverlapBench
@@ -57,12 +65,7 @@ def run(settings: OverlapBench) -> None:
                 "1",
                 "--mode",
                 "decoupled",
-                "--inner-steps",
-                str(settings.inner_steps),
-                "--fragments",
-                str(settings.fragments),
-                "--codec",
-                settings.codec,
+                *algorithm_flags(settings),
             ],
         )
         synced = steps_per_second(learner_summaries(root / "synced")[0], skip=2)

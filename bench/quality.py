@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.runs import model_flags, up, write
+from bench.runs import algorithm_flags, model_flags, up, write
 from services.bandwidth import dp_equivalent_bytes
 
 if TYPE_CHECKING:
@@ -31,14 +31,7 @@ def run(settings: QualityBench) -> None:
         "--seed",
         str(settings.seed),
     ]
-    algorithm = [
-        "--inner-steps",
-        str(settings.inner_steps),
-        "--fragments",
-        str(settings.fragments),
-        "--codec",
-        settings.codec,
-    ]
+    algorithm = algorithm_flags(settings)
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="atoll-quality-") as tmp:
         root = Path(tmp)

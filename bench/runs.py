@@ -45,6 +45,18 @@ def model_flags(settings: Any) -> list[str]:
     ]
 
 
+def algorithm_flags(settings: Any) -> list[str]:
+    """H, P and the codec from a benchmark's settings."""
+    return [
+        "--inner-steps",
+        str(settings.inner_steps),
+        "--fragments",
+        str(settings.fragments),
+        "--codec",
+        settings.codec,
+    ]
+
+
 def learner_summaries(workdir: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((workdir / "w").glob("*.summary.json"))]
 

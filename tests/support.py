@@ -127,3 +127,15 @@ def chunks_for(
         )
         for i, d in enumerate(split(payload, max_chunk))
     ]
+
+
+def commit_versions(c: SynchronizerClient, r: redis.Redis, fragment: int, count: int) -> None:
+    """Send `count` updates of one fragment, each on the last, and wait for each commit."""
+    import time
+
+    for v in range(count):
+        c.wait_ack(send_delta(c, fragment, 2, v, seed=v), 10)
+        deadline = time.monotonic() + 15
+        while version(r, fragment) != v + 1:
+            assert time.monotonic() < deadline, f"version {v + 1} was not committed"
+            time.sleep(0.05)

@@ -242,9 +242,7 @@ def test_stale_updates_are_refused(
     r = redis.Redis(port=redis_server.port)
     try:
         support.initialize(c, 2)
-        for v in range(3):
-            c.wait_ack(support.send_delta(c, 0, 2, v, seed=v), 10)
-            wait_until(lambda v=v: support.version(r, 0) == v + 1)  # type: ignore[misc]
+        support.commit_versions(c, r, 0, 3)
         ack = c.wait_ack(support.send_delta(c, 0, 2, 0), 10)
         assert ack.status == session_pb2.ACK_STATUS_REJECTED
         assert ack.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
@@ -290,9 +288,7 @@ def test_redis_restarted_with_aof_loses_no_committed_version(tmp_path: Path) -> 
         r = redis.Redis(port=server.port)
         try:
             support.initialize(c, 2)
-            for v in range(3):
-                c.wait_ack(support.send_delta(c, 0, 2, v, seed=v), 10)
-                wait_until(lambda v=v: support.version(r, 0) == v + 1)  # type: ignore[misc]
+            support.commit_versions(c, r, 0, 3)
             theta = r.get(support.key("theta", 0))
             server.restart(signal.SIGKILL)
             r = redis.Redis(port=server.port)
