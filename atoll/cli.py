@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsConfigDict
 
 from bench.settings import BenchCommand
@@ -51,10 +51,18 @@ class Atoll(BaseSettings):
         cli_kebab_case=True, cli_prog_name="atoll", cli_implicit_flags=True
     )
 
-    synchronizer: CliSubCommand[SynchronizerCommand]
-    learner: CliSubCommand[LearnerCommand]
-    up: CliSubCommand[UpCommand]
-    bench: CliSubCommand[BenchCommand]
+    synchronizer: CliSubCommand[SynchronizerCommand] = Field(
+        description="run one synchronizer replica (stateless; state in Redis)"
+    )
+    learner: CliSubCommand[LearnerCommand] = Field(
+        description="run one learner: a JAX inner loop syncing fragments"
+    )
+    up: CliSubCommand[UpCommand] = Field(
+        description="a local cluster: Redis, synchronizers, learners, live view, report"
+    )
+    bench: CliSubCommand[BenchCommand] = Field(
+        description="benchmarks: synchronizer ingest, quality, overlap"
+    )
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

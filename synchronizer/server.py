@@ -14,12 +14,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
+from redis.exceptions import RedisError
 
 from services import telemetry as tm
 from services.config import JobConfig, SynchronizerSettings
 from services.grpcopts import server_options
 from synchronizer.service import SERVICE_NAME, SynchronizerService
-from synchronizer.store import open_store
+from synchronizer.store import StoreError, open_store
 
 log = structlog.get_logger("atoll.synchronizer")
 DRAIN_SECONDS = 5.0
@@ -128,4 +129,12 @@ async def serve(settings: SynchronizerSettings) -> None:
 
 def run(settings: SynchronizerSettings) -> None:
     tm.configure_logging(settings.log_level)
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except StoreError as err:
+        raise SystemExit(f"atoll synchronizer: {err}") from None
+    except (RedisError, OSError) as err:
+        raise SystemExit(
+            f"atoll synchronizer: cannot reach Redis at {settings.redis_url} ({err}); start it "
+            "or fix --redis-url"
+        ) from None
