@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.lifecycle import PARENT_ENV
@@ -53,7 +53,6 @@ class Child:
     env: dict[str, str]
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
-    meta: dict[str, object] = field(default_factory=dict)
 
     def start(self) -> Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

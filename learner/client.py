@@ -25,7 +25,7 @@ from services import telemetry as tm
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.grpcopts import backoff_delays, channel_options
 from services.layout import LeafSpec
-from services.wire import ChunkAssembler, make_header, split
+from services.wire import DEFAULT_MAX_CHUNK_BYTES, ChunkAssembler, make_header, split
 from services.wirecount import counting_parser, counting_serializer
 
 SERVICE = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
@@ -123,10 +123,6 @@ class SynchronizerClient:
         assert self.welcome is not None
         return self.welcome
 
-    @property
-    def connected(self) -> bool:
-        return self._connected.is_set()
-
     def close(self) -> None:
         self._closed.set()
         outbox = self._outbox
@@ -159,7 +155,9 @@ class SynchronizerClient:
         max_chunk: int | None = None,
     ) -> int:
         """Queue one update; return its seq. It is re-sent after a reconnect until acked."""
-        size = max_chunk or (self.welcome.config.max_chunk_bytes if self.welcome else 1 << 20)
+        size = max_chunk or (
+            self.welcome.config.max_chunk_bytes if self.welcome else DEFAULT_MAX_CHUNK_BYTES
+        )
         seq = next(self._seq)
         header = make_header(fragment, codec, block_size, num_elements, payload, size)
         chunks = [

@@ -40,12 +40,6 @@ class TransformerConfig:
         d = self.width
         return VOCAB * d + self.context * d + d + self.layers * (12 * d * d + 2 * d)
 
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 per weight plus attention's score and value products."""
-        return 6.0 * (self.parameters - VOCAB * self.width - self.context * self.width) + (
-            12.0 * self.layers * self.width * self.context
-        )
-
 
 def init_params(cfg: TransformerConfig, seed: int) -> Params:
     d = cfg.width

@@ -32,7 +32,6 @@ class Workload:
     batches: Batches
     eval_batches: list[np.ndarray]
     tokens_per_batch: int
-    flops_per_token: float = 0.0
 
 
 def _name(path: tuple[Any, ...]) -> str:
@@ -83,7 +82,6 @@ def builtin(settings: LearnerSettings) -> Workload:
             corpus.eval, settings.batch_size, settings.context, settings.eval_batches
         ),
         tokens_per_batch=settings.batch_size * settings.context,
-        flops_per_token=cfg.flops_per_token(),
     )
 
 

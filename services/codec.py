@@ -128,7 +128,6 @@ class Codec:
     # Validates length, parameters and finiteness without building the decoded array: the
     # synchronizer runs it on every update it admits.
     check: Callable[[bytes, int, int], None]
-    bits_per_value: float
 
 
 REGISTRY: dict[str, Codec] = {
@@ -140,7 +139,6 @@ REGISTRY: dict[str, Codec] = {
             _encode_fp32,
             _decode_fp32,
             _check_float(4, "<f4", "fp32"),
-            32,
         ),
         Codec(
             "bf16",
@@ -148,9 +146,8 @@ REGISTRY: dict[str, Codec] = {
             _encode_bf16,
             _decode_bf16,
             _check_float(2, ml_dtypes.bfloat16, "bf16"),
-            16,
         ),
-        Codec("int8", fragment_pb2.CODEC_INT8, _encode_int8, _decode_int8, _check_int8, 8),
+        Codec("int8", fragment_pb2.CODEC_INT8, _encode_int8, _decode_int8, _check_int8),
     )
 }
 _BY_WIRE = {c.wire: c for c in REGISTRY.values()}

@@ -59,12 +59,6 @@ class FragmentLayout:
     def num_fragments(self) -> int:
         return len(self.fragments)
 
-    def fragment_of(self, name: str) -> int:
-        for fragment in self.fragments:
-            if any(leaf.name == name for leaf in fragment.leaves):
-                return fragment.index
-        raise KeyError(name)
-
     def gather(self, index: int, leaves: Mapping[str, np.ndarray]) -> np.ndarray:
         """Concatenate fragment `index`'s leaves into one flat float32 vector."""
         parts = [

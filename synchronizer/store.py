@@ -80,7 +80,6 @@ class Store(Protocol):
         self, learner: str, incarnation: str, ttl_s: float, **fields: float
     ) -> bool: ...
     async def leave(self, learner: str, incarnation: str) -> None: ...
-    async def learners(self) -> dict[str, dict[str, str]]: ...
     async def is_initialized(self) -> bool: ...
     async def initialize(
         self, thetas: list[np.ndarray], opt_states: list[list[np.ndarray]]
@@ -107,8 +106,6 @@ class Store(Protocol):
     async def pending(self, fragment: int) -> list[PendingUpdate]: ...
     async def commit(self, commit: Commit) -> tuple[str, int]: ...
     async def add_stats(self, **increments: float) -> None: ...
-    async def stats(self) -> dict[str, float]: ...
-    async def commit_log(self, fragment: int) -> list[dict[str, Any]]: ...
     async def subscribe_commits(self) -> Any: ...
 
 
@@ -202,18 +199,6 @@ class RedisStore:
         await self._run(
             "leave", [self.key("learners"), self.key("learner", learner)], [learner, incarnation]
         )
-
-    async def learners(self) -> dict[str, dict[str, str]]:
-        """Every learner slot ever seen, with its last heartbeat fields and lease expiry."""
-        entries: list[Any] = await self._r.zrange(self.key("learners"), 0, -1, withscores=True)
-        out: dict[str, dict[str, str]] = {}
-        for raw_name, score in entries:
-            name = _b(raw_name).decode()
-            raw = await self._r.hgetall(self.key("learner", name))
-            fields = {_b(k).decode(): _b(v).decode() for k, v in raw.items()}
-            fields["lease_expiry_ms"] = str(int(score))
-            out[name] = fields
-        return out
 
     async def is_initialized(self) -> bool:
         return bool(await self._r.exists(self.key("init")))
@@ -399,13 +384,6 @@ class RedisStore:
                 if value:
                     pipe.hincrbyfloat(self.key("stats"), name, value)
             await pipe.execute()
-
-    async def stats(self) -> dict[str, float]:
-        raw = await self._r.hgetall(self.key("stats"))
-        return {_b(k).decode(): float(v) for k, v in raw.items()}
-
-    async def commit_log(self, fragment: int) -> list[dict[str, Any]]:
-        return [json.loads(e) for e in await self._r.lrange(self.key("log", fragment), 0, -1)]
 
     def commits_channel(self) -> str:
         return self.key("commits")
