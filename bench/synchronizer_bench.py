@@ -25,7 +25,7 @@ from cluster.processes import Child, atoll_command, child_env, synchronizer_chil
 from cluster.redis_server import RedisServer
 from learner.client import SynchronizerClient
 from services import codec as codecs
-from services.gen.atoll.v1 import fragment_pb2, session_pb2
+from services.gen.atoll.v1 import session_pb2
 from services.grpcopts import channel_options, server_options
 from services.layout import LeafSpec
 from services.wire import DEFAULT_MAX_CHUNK_BYTES, split
@@ -93,15 +93,7 @@ def measure_ingest(workdir: Path, clients: int, seconds: float, n: int) -> float
             ]
             for c in conns:
                 c.connect()
-            init = np.zeros(n, np.float32).tobytes()
-            seq = conns[0].send_update(
-                fragment=0,
-                payload=init,
-                codec=fragment_pb2.CODEC_FP32,
-                block_size=0,
-                num_elements=n,
-                kind=session_pb2.UPDATE_KIND_INITIAL,
-            )
+            seq = conns[0].send_initial(0, np.zeros(n, np.float32))
             conns[0].wait_ack(seq, 60)
 
             def stream(i: int, deadline: float) -> int:

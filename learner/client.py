@@ -182,6 +182,18 @@ class SynchronizerClient:
                     outbox.put(session_pb2.LearnerMessage(update=chunk))
         return seq
 
+    def send_initial(self, fragment: int, values: np.ndarray) -> int:
+        """Queue a fragment of the job's initial parameters (float32, kind INITIAL)."""
+        flat = np.ascontiguousarray(values, "<f4")
+        return self.send_update(
+            fragment=fragment,
+            payload=flat.tobytes(),
+            codec=fragment_pb2.CODEC_FP32,
+            block_size=0,
+            num_elements=flat.size,
+            kind=session_pb2.UPDATE_KIND_INITIAL,
+        )
+
     def send_raw(self, chunks: Sequence[session_pb2.UpdateChunk]) -> None:
         """Put hand-built chunks on the stream as they are (for protocol tests)."""
         with self._lock:

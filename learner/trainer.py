@@ -34,7 +34,7 @@ from learner.settings import LearnerSettings
 from learner.workload import Named, Workload
 from services import codec as codecs
 from services import telemetry as tm
-from services.gen.atoll.v1 import fragment_pb2, session_pb2
+from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
 
 log = structlog.get_logger("atoll.learner")
@@ -109,15 +109,7 @@ class Learner:
         flat = {k: np.asarray(v, np.float32) for k, v in self.named.flatten(self.w.params).items()}
         if not welcome.initialized:
             for p in range(self.P):
-                values = self.layout.gather(p, flat)
-                self.client.send_update(
-                    fragment=p,
-                    payload=values.tobytes(),
-                    codec=fragment_pb2.CODEC_FP32,
-                    block_size=0,
-                    num_elements=values.size,
-                    kind=session_pb2.UPDATE_KIND_INITIAL,
-                )
+                self.client.send_initial(p, self.layout.gather(p, flat))
             deadline = time.monotonic() + 60
             while self.client.unacked() and time.monotonic() < deadline:
                 self.client.check()

@@ -10,7 +10,7 @@ import redis
 
 from learner.client import SynchronizerClient
 from services import codec as codecs
-from services.gen.atoll.v1 import fragment_pb2, session_pb2
+from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
 
 SPECS = [LeafSpec(f"blocks/{i}/w", (32, 32)) for i in range(4)] + [LeafSpec("embed", (16, 32))]
@@ -43,16 +43,7 @@ def initialize(c: SynchronizerClient, fragments: int, seed: int = 0) -> None:
     params = initial_params(seed)
     lay = layout(fragments)
     for p in range(fragments):
-        flat = lay.gather(p, params)
-        seq = c.send_update(
-            fragment=p,
-            payload=flat.tobytes(),
-            codec=fragment_pb2.CODEC_FP32,
-            block_size=0,
-            num_elements=flat.size,
-            kind=session_pb2.UPDATE_KIND_INITIAL,
-        )
-        c.wait_ack(seq, 30)
+        c.wait_ack(c.send_initial(p, lay.gather(p, params)), 30)
 
 
 def send_delta(
