@@ -30,6 +30,7 @@ from cluster.view import ClusterState, LiveView, read_state
 from learner.settings import ModelConfig
 from services.codec import checksum
 from services.config import JobConfig
+from synchronizer.store import job_key
 
 QUIET_BEFORE_STOP_S = 1.0
 LINGER_S = 600.0
@@ -224,19 +225,18 @@ class LocalCluster:
     # --- report ---------------------------------------------------------------------------
     def report(self, state: ClusterState) -> dict[str, Any]:
         r = self.client()
-        prefix = f"atoll:{{{self.s.job}}}:"
         summaries = [
             json.loads(self.summary_path(c.name).read_text())
             for c in self.learners
             if self.summary_path(c.name).exists()
         ]
         logs = [
-            [json.loads(e) for e in r.lrange(f"{prefix}log:{p}", 0, -1)]
+            [json.loads(e) for e in r.lrange(job_key(self.s.job, "log", p), 0, -1)]
             for p in range(self.s.fragments)
         ]
         global_sums = []
         for p in range(self.s.fragments):
-            value = r.get(f"{prefix}theta:{p}")
+            value = r.get(job_key(self.s.job, "theta", p))
             global_sums.append(checksum(value) if isinstance(value, bytes) else -1)
         invariants = check_invariants(
             logs,

@@ -15,6 +15,7 @@ from rich.table import Table
 from cluster.settings import UpSettings
 from learner.model import TransformerConfig
 from services.bandwidth import dp_equivalent_bytes
+from synchronizer.store import job_key
 
 PLAIN_EVERY_S = 10.0
 
@@ -42,22 +43,25 @@ def _text(value: bytes | str) -> str:
 
 def read_state(r: Any, settings: UpSettings, started: float) -> ClusterState:
     """One snapshot of the job from Redis (`r` is a redis.Redis; replies are untyped)."""
-    prefix = f"atoll:{{{settings.job}}}:"
+    job = settings.job
     state = ClusterState(elapsed=time.time() - started)
     try:
         seconds, micros = r.time()
         state.now_ms = seconds * 1000 + micros / 1000
-        for name, expiry in r.zrange(prefix + "learners", 0, -1, withscores=True):
+        for name, expiry in r.zrange(job_key(job, "learners"), 0, -1, withscores=True):
             fields = {
-                _text(k): _text(v) for k, v in r.hgetall(prefix + "learner:" + _text(name)).items()
+                _text(k): _text(v)
+                for k, v in r.hgetall(job_key(job, "learner", _text(name))).items()
             }
             fields["lease_expiry_ms"] = str(expiry)
             state.learners[_text(name)] = fields
         state.versions = [
-            int(r.hget(prefix + f"frag:{p}", "version") or 0) for p in range(settings.fragments)
+            int(r.hget(job_key(job, "frag", p), "version") or 0) for p in range(settings.fragments)
         ]
-        state.stats = {_text(k): float(v) for k, v in r.hgetall(prefix + "stats").items()}
-        state.pending = sum(int(r.hlen(prefix + f"pmeta:{p}")) for p in range(settings.fragments))
+        state.stats = {_text(k): float(v) for k, v in r.hgetall(job_key(job, "stats")).items()}
+        state.pending = sum(
+            int(r.hlen(job_key(job, "pmeta", p))) for p in range(settings.fragments)
+        )
     except redis.RedisError:
         pass  # Redis may be restarting; show what we have
     return state

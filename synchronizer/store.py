@@ -109,6 +109,12 @@ class Store(Protocol):
     async def subscribe_commits(self) -> Any: ...
 
 
+def job_key(job: str, *parts: object) -> str:
+    """The Redis key of a job's state: `atoll:{job}:a:b`. The `{job}` hash tag keeps a job in
+    one Redis Cluster slot. Everything that reads a job's state builds keys here."""
+    return f"atoll:{{{job}}}:" + ":".join(str(p) for p in parts)
+
+
 def select_round(metas: dict[str, dict[str, Any]]) -> list[str]:
     """The uids one round merges: each learner's oldest pending update (by base version,
     then seq). A learner's later updates wait for the next rounds, so a round's cost is
@@ -143,7 +149,7 @@ class RedisStore:
 
     def __init__(self, client: aioredis.Redis, job: str) -> None:
         self._r = client
-        self._prefix = f"atoll:{{{job}}}:"
+        self._job = job
         lua = resources.files("synchronizer") / "lua"
         self._scripts: dict[str, AsyncScript] = {
             path.name.removesuffix(".lua"): client.register_script(path.read_text())
@@ -152,7 +158,7 @@ class RedisStore:
         }
 
     def key(self, *parts: object) -> str:
-        return self._prefix + ":".join(str(p) for p in parts)
+        return job_key(self._job, *parts)
 
     async def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         return await self._scripts[script](keys=keys, args=args)

@@ -12,6 +12,7 @@ from learner.client import SynchronizerClient
 from services import codec as codecs
 from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
+from synchronizer.store import job_key
 
 SPECS = [LeafSpec(f"blocks/{i}/w", (32, 32)) for i in range(4)] + [LeafSpec("embed", (16, 32))]
 
@@ -74,7 +75,7 @@ def send_delta(
 
 
 def key(*parts: object) -> str:
-    return "atoll:{default}:" + ":".join(str(p) for p in parts)
+    return job_key("default", *parts)
 
 
 def commit_log(r: redis.Redis, fragment: int) -> list[dict[str, object]]:
