@@ -369,11 +369,13 @@ class SynchronizerClient:
         if ack.code == grpc.StatusCode.UNAVAILABLE.value[0]:
             # The synchronizer could not store it: send it again shortly, same seq.
             def resend() -> None:
+                # Under the lock that send_update holds: one update's chunks never interleave
+                # with another's on the stream.
                 with self._lock:
                     out = self._unacked.get(ack.seq)
-                if out is not None and not self._closed.is_set():
-                    for chunk in out.chunks:
-                        outbox.put(session_pb2.LearnerMessage(update=chunk))
+                    if out is not None and not self._closed.is_set():
+                        for chunk in out.chunks:
+                            outbox.put(session_pb2.LearnerMessage(update=chunk))
 
             timer = threading.Timer(RESEND_DELAY_S, resend)
             timer.daemon = True

@@ -19,7 +19,13 @@ UPDATES_PER_CLIENT = 24
 KILL_AFTER = 8
 
 
-def drive(c: SynchronizerClient, index: int, acked: list[str], started: threading.Event) -> None:
+def drive(
+    c: SynchronizerClient,
+    index: int,
+    acked: list[str],
+    started: threading.Event,
+    refused: list[str],
+) -> None:
     versions = {p: 0 for p in range(FRAGMENTS)}
     for i in range(UPDATES_PER_CLIENT):
         while not c.fragments.empty():
@@ -30,6 +36,8 @@ def drive(c: SynchronizerClient, index: int, acked: list[str], started: threadin
         ack = c.wait_ack(seq, 60)
         if ack.status in (session_pb2.ACK_STATUS_ACCEPTED, session_pb2.ACK_STATUS_DUPLICATE):
             acked.append(f"{c.learner_id}/{c.incarnation}/{seq}")
+        else:
+            refused.append(ack.reason)
         if i == KILL_AFTER:
             started.set()
         time.sleep(0.02)
@@ -48,8 +56,9 @@ def test_a_replica_killed_mid_run_loses_nothing_and_commits_each_round_once(
     support.initialize(clients[0], FRAGMENTS)
     acked: list[list[str]] = [[] for _ in clients]
     marks = [threading.Event() for _ in clients]
+    refused: list[str] = []
     threads = [
-        threading.Thread(target=drive, args=(c, i, acked[i], marks[i]), daemon=True)
+        threading.Thread(target=drive, args=(c, i, acked[i], marks[i], refused), daemon=True)
         for i, c in enumerate(clients)
     ]
     for t in threads:
@@ -74,7 +83,7 @@ def test_a_replica_killed_mid_run_loses_nothing_and_commits_each_round_once(
         assert support.version(r, p) == len(log), "each round committed once"
         merged += [u for e in log for u in e["uids"]]  # type: ignore[attr-defined]
     all_acked = [u for batch in acked for u in batch]
-    assert len(all_acked) == 4 * UPDATES_PER_CLIENT
+    assert len(all_acked) == 4 * UPDATES_PER_CLIENT, f"refused: {refused}"
     assert len(merged) == len(set(merged)), "no update applied twice"
     pending = [r.hlen(support.key("pmeta", p)) for p in range(FRAGMENTS)]
     assert pending == [0] * FRAGMENTS, f"updates still pending: {pending}"
