@@ -11,6 +11,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsConfigDict
 
 from bench.settings import BenchCommand
+from cluster.check import CheckSettings
 from cluster.settings import UpSettings
 from learner.settings import LearnerSettings
 from services.config import SynchronizerSettings
@@ -44,6 +45,15 @@ class UpCommand(UpSettings):
         raise SystemExit(run(self))
 
 
+class CheckCommand(CheckSettings):
+    """Check a run's invariants and compute its goodput from its tape."""
+
+    def cli_cmd(self) -> None:
+        from cluster.check import run
+
+        raise SystemExit(run(self))
+
+
 class Atoll(BaseSettings):
     """atoll: resilient, low-bandwidth distributed training (Decoupled DiLoCo)."""
 
@@ -59,6 +69,9 @@ class Atoll(BaseSettings):
     )
     up: CliSubCommand[UpCommand] = Field(
         description="a local cluster: Redis, synchronizers, learners, live view, report"
+    )
+    check: CliSubCommand[CheckCommand] = Field(
+        description="a run's invariants and goodput from its tape (atoll up --tape)"
     )
     bench: CliSubCommand[BenchCommand] = Field(
         description="benchmarks: synchronizer ingest, quality, overlap"

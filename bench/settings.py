@@ -68,6 +68,26 @@ class OverlapBench(_Model, _Output):
         run(self)
 
 
+class GoodputBench(_Model, _Output):
+    """Goodput and eval loss of decoupled and sync mode under one seeded fault schedule."""
+
+    batch_size: int = Field(16, ge=1, description="sequences per step per learner")
+    learners: int = Field(4, ge=2, le=16, description="M")
+    steps: int = Field(200, ge=20, description="inner steps per learner slot (the job's budget)")
+    inner_steps: int = Field(40, ge=1, description="H (the job default)")
+    fragments: int = Field(4, ge=1, description="P")
+    codec: str = Field("int8", description="codec of outer gradients")
+    chaos: str = Field(
+        "learner-kill:mtbf=30s,down=5s", description="the fault SPEC both faulty runs get"
+    )
+    seed: int = Field(1, description="seed of the fault schedule, the model and the data")
+
+    def cli_cmd(self) -> None:
+        from bench.goodput import run
+
+        run(self)
+
+
 class RawSink(BaseModel):
     """Internal: the bare gRPC sink that `bench synchronizer` measures against."""
 
@@ -90,6 +110,9 @@ class BenchCommand(AtollSettings):
     )
     overlap: CliSubCommand[OverlapBench] = Field(
         description="learner steps/s with syncing on against syncing off"
+    )
+    goodput: CliSubCommand[GoodputBench] = Field(
+        description="goodput of decoupled against sync mode under the same seeded faults"
     )
     raw_sink: CliSubCommand[RawSink] = Field(description="internal: raw gRPC sink")
 

@@ -6,6 +6,15 @@ SPEC is one or more faults separated by `;`, each `KIND:key=value,key=value`:
     learner-pause:mtbf=60s,for=10s       SIGSTOP a learner (a straggler); SIGCONT after `for`
     synchronizer-kill:mtbf=120s,down=3s  SIGKILL a synchronizer replica; restart it on its port
     redis-restart:mtbf=300s              SIGKILL Redis and start it again at once (AOF on)
+    net-latency:mtbf=60s,for=10s,delay=200ms
+                                         a learner's links deliver every byte `delay` late
+    net-bandwidth:mtbf=60s,for=10s,rate=256KB
+                                         a learner's links carry at most `rate` bytes/s each way
+    net-reset:mtbf=60s                   a learner's connections are aborted (RST)
+    net-partition:mtbf=120s,for=15s      a learner is cut off from every synchronizer
+
+Network faults go through a fault proxy on loopback that `atoll up` puts between each learner
+and each synchronizer (only when the SPEC has a network fault).
 
 `mtbf` is the mean time between faults of that kind across the whole cluster (exponential
 inter-arrival times; the victim is drawn uniformly), so a bigger cluster does not multiply
@@ -22,13 +31,20 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-KINDS = {
-    "learner-kill": ("learners", {"down": 5.0}),
-    "learner-pause": ("learners", {"for": 10.0}),
-    "synchronizer-kill": ("synchronizers", {"down": 3.0}),
-    "redis-restart": ("redis", {}),
+# kind -> (whom it hits, {duration key: default}, (amount key, default) or None)
+KINDS: dict[str, tuple[str, dict[str, float], tuple[str, float] | None]] = {
+    "learner-kill": ("learners", {"down": 5.0}, None),
+    "learner-pause": ("learners", {"for": 10.0}, None),
+    "synchronizer-kill": ("synchronizers", {"down": 3.0}, None),
+    "redis-restart": ("redis", {}, None),
+    "net-latency": ("learners", {"for": 10.0}, ("delay", 0.2)),
+    "net-bandwidth": ("learners", {"for": 10.0}, ("rate", 256e3)),
+    "net-reset": ("learners", {}, None),
+    "net-partition": ("learners", {"for": 15.0}, None),
 }
+NETWORK_KINDS = frozenset(k for k in KINDS if k.startswith("net-"))
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m)?$")
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(B|KB|MB|GB)?(?:/s)?$", re.IGNORECASE)
 
 
 class ChaosError(ValueError):
@@ -42,6 +58,7 @@ class FaultSpec:
     at_s: tuple[float, ...]
     duration_s: float
     victim: int | None
+    amount: float = 0.0  # net-latency: seconds of delay; net-bandwidth: bytes per second
 
 
 @dataclass(frozen=True)
@@ -50,6 +67,7 @@ class Fault:
     kind: str
     victim: int
     duration_s: float
+    amount: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,6 +81,15 @@ def parse_duration(text: str) -> float:
     return value * {"ms": 0.001, "s": 1.0, "m": 60.0}[unit]
 
 
+def parse_rate(text: str) -> float:
+    """Bytes per second: `256KB`, `1MB/s`, `500000` (decimal units)."""
+    match = _RATE.match(text.strip())
+    if not match or float(match.group(1)) <= 0:
+        raise ChaosError(f"{text!r} is not a rate; write e.g. 256KB, 1MB/s or 500000 (bytes/s)")
+    unit = (match.group(2) or "B").upper()
+    return float(match.group(1)) * {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+
+
 def parse(spec: str) -> list[FaultSpec]:
     faults: list[FaultSpec] = []
     for part in filter(None, (p.strip() for p in spec.split(";"))):
@@ -70,14 +97,14 @@ def parse(spec: str) -> list[FaultSpec]:
         kind = kind.strip()
         if kind not in KINDS:
             raise ChaosError(f"unknown fault {kind!r}; known: {', '.join(KINDS)}")
-        _, defaults = KINDS[kind]
+        _, defaults, extra = KINDS[kind]
         values: dict[str, str] = {}
         for item in filter(None, (p.strip() for p in params.split(","))):
             key, sep, value = item.partition("=")
             if not sep:
                 raise ChaosError(f"{kind}: {item!r} is not key=value")
             values[key.strip()] = value.strip()
-        allowed = {"mtbf", "at", "victim", *defaults}
+        allowed = {"mtbf", "at", "victim", *defaults, *([extra[0]] if extra else [])}
         unknown = set(values) - allowed
         if unknown:
             raise ChaosError(f"{kind}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -90,7 +117,12 @@ def parse(spec: str) -> list[FaultSpec]:
         (duration_key, default), *_ = list(defaults.items()) or [("", 0.0)]
         duration = parse_duration(values[duration_key]) if duration_key in values else default
         victim = int(values["victim"]) if "victim" in values else None
-        faults.append(FaultSpec(kind, mtbf, at, duration, victim))
+        amount = 0.0
+        if extra is not None:
+            key, amount = extra
+            if key in values:
+                amount = (parse_rate if key == "rate" else parse_duration)(values[key])
+        faults.append(FaultSpec(kind, mtbf, at, duration, victim, amount))
     if not faults:
         raise ChaosError("empty --chaos SPEC; e.g. 'learner-kill:mtbf=30s,down=5s'")
     return faults
@@ -103,7 +135,7 @@ def schedule(
     rng = random.Random(seed)
     out: list[Fault] = []
     for spec in specs:
-        group, _ = KINDS[spec.kind]
+        group, _, _ = KINDS[spec.kind]
         size = population.get(group, 0)
         if size < 1:
             raise ChaosError(f"{spec.kind}: the cluster has no {group} to fault")
@@ -117,5 +149,5 @@ def schedule(
                 t += rng.expovariate(1.0 / spec.mtbf_s)
         for t in times:
             victim = spec.victim if spec.victim is not None else rng.randrange(size)
-            out.append(Fault(round(t, 3), spec.kind, victim, spec.duration_s))
+            out.append(Fault(round(t, 3), spec.kind, victim, spec.duration_s, spec.amount))
     return sorted(out, key=lambda f: (f.at_s, f.kind, f.victim))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.bandwidth import dp_equivalent_bytes
+from services.goodput import goodput
 
 
 @dataclass
@@ -71,6 +72,7 @@ def build_report(
     summaries: Sequence[dict[str, Any]],
     stats: dict[str, float],
     wall_seconds: float,
+    provisioned_seconds: float,
     invariants: Invariants,
     eval_loss: float,
     faults: Sequence[dict[str, Any]] = (),
@@ -85,7 +87,7 @@ def build_report(
     dp = dp_equivalent_bytes(parameters, learners, steps_total)
     initial = [s["loss"]["initial"] for s in summaries if s["loss"]["initial"] is not None]
     final = [s["loss"]["final"] for s in summaries if s["loss"]["final"] is not None]
-    provisioned = learners * wall_seconds
+    useful = stats.get("useful_seconds", 0.0)
     return {
         "learners": learners,
         "fragments": settings["fragments"],
@@ -97,7 +99,9 @@ def build_report(
         "started_at": started_at,
         "tokens_total": sum(int(s["tokens"]) for s in summaries),
         "tokens_merged": round(stats.get("tokens_merged", 0.0)),
-        "goodput": round(stats.get("useful_seconds", 0.0) / provisioned, 4) if provisioned else 0.0,
+        "goodput": round(goodput(useful, provisioned_seconds), 4),
+        "useful_seconds": round(useful, 3),
+        "provisioned_seconds": round(provisioned_seconds, 3),
         "loss": {
             "initial": sum(initial) / len(initial) if initial else None,
             "final": sum(final) / len(final) if final else None,

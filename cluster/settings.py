@@ -15,7 +15,18 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
 
     learners: int = Field(3, ge=1, le=64, description="learner processes (M)")
     synchronizers: int = Field(1, ge=1, le=8, description="synchronizer replicas")
-    steps: int = Field(200, ge=1, description="inner steps each learner runs")
+    steps: int = Field(
+        200,
+        ge=1,
+        description="inner steps per learner slot: the job trains learners x steps inner steps "
+        "in all, so a learner a fault slowed or stopped does fewer and the others more "
+        "(--job-steps sets that total directly)",
+    )
+    tape: Path | None = Field(
+        None,
+        description="write the run's tape here: one JSON line per state change of every "
+        "learner, synchronizer and fault (read by `atoll check` and `atoll sim --tape`)",
+    )
     redis_url: str = Field(
         "", description="use this Redis instead of starting one (redis://HOST:PORT/DB)"
     )

@@ -21,7 +21,8 @@ from typing import Any
 
 import redis
 
-from cluster.chaos import ChaosError, Fault, parse, schedule
+from cluster.chaos import NETWORK_KINDS, ChaosError, Fault, parse, schedule
+from cluster.faultproxy import FaultProxy
 from cluster.processes import Child, SynchronizerChild, atoll_command, child_env, synchronizer_child
 from cluster.redis_server import RedisServer
 from cluster.report import build_report, check_invariants, merged_by_incarnation
@@ -30,6 +31,9 @@ from cluster.view import ClusterState, LiveView, read_state
 from learner.settings import ModelConfig
 from services.codec import checksum
 from services.config import JobConfig
+from services.goodput import commits, provisioned_seconds
+from services.tape import Tape
+from services.tape import read as read_tape
 from synchronizer.store import job_key
 
 QUIET_BEFORE_STOP_S = 1.0
@@ -63,6 +67,11 @@ class LocalCluster:
         self._later: list[tuple[float, str, Child]] = []  # (time, action, child)
         self._down: set[str] = set()  # children a fault stopped on purpose
         self._training_since: float | None = None
+        self.tape = Tape(settings.tape, "cluster")
+        self.proxy: FaultProxy | None = None
+        self.slot_started: dict[str, float] = {}  # learner slot -> its first launch
+        self.training_ended: float | None = None
+        self.job_steps = settings.job_steps or settings.learners * settings.steps
 
     def plan_faults(self) -> None:
         if not self.s.chaos:
@@ -88,10 +97,15 @@ class LocalCluster:
         for at, action, child in [x for x in self._later if x[0] <= now]:
             self._later.remove((at, action, child))
             if action == "start":
-                child.start()
+                self._launch(child, restart=True)
                 self._down.discard(child.name)
+            elif action == "heal":
+                assert self.proxy is not None
+                self.proxy.heal(self.learners.index(child))
+                self.tape.write("healed", **self._whom(child))
             else:
                 child.signal(signal.SIGCONT)
+                self.tape.write("resumed", **self._whom(child))
         while self.faults and self.faults[0].at_s <= now:
             fault = self.faults.pop(0)
             if state.learners_done:  # the run is ending: no more faults
@@ -103,6 +117,8 @@ class LocalCluster:
         if fault.kind == "redis-restart":
             assert self.redis is not None
             self.redis.restart(signal.SIGKILL)
+        elif fault.kind in NETWORK_KINDS:
+            self._network_fault(fault, now)
         else:
             group = self.learners if fault.kind.startswith("learner") else self.synchronizers
             child = group[fault.victim]
@@ -110,40 +126,81 @@ class LocalCluster:
                 return  # already down: this fault is moot
             if fault.kind == "learner-pause":
                 child.signal(signal.SIGSTOP)
+                self.tape.write("paused", **self._whom(child))
                 self._later.append((now + fault.duration_s, "cont", child))
             else:
                 self._down.add(child.name)
                 child.kill()
+                self.tape.write("killed", **self._whom(child))
                 self._later.append((now + fault.duration_s, "start", child))
         self.injected.append(
             {**fault.as_dict(), "injected_at_s": round(time.time() - self.started, 3)}
         )
+        self.tape.write(
+            "fault", **{"fault" if k == "kind" else k: v for k, v in fault.as_dict().items()}
+        )
+
+    def _network_fault(self, fault: Fault, now: float) -> None:
+        assert self.proxy is not None
+        child = self.learners[fault.victim]
+        if fault.kind == "net-reset":
+            self.proxy.reset(fault.victim)
+            return
+        if fault.kind == "net-latency":
+            self.proxy.latency(fault.victim, fault.amount)
+        elif fault.kind == "net-bandwidth":
+            self.proxy.bandwidth(fault.victim, fault.amount)
+        else:
+            self.proxy.partition(fault.victim, True)
+        self._later.append((now + fault.duration_s, "heal", child))
+
+    def _whom(self, child: Child) -> dict[str, Any]:
+        role = "learner" if child in self.learners else "synchronizer"
+        return {role: child.name}
+
+    def _launch(self, child: Child, restart: bool = False) -> None:
+        child.start()
+        if child in self.learners:
+            self.slot_started.setdefault(child.name, time.time())
+            self.tape.write("launched", learner=child.name)
+        if restart:
+            self.tape.write("restarted", **self._whom(child))
 
     # --- start ----------------------------------------------------------------------------
     def start(self) -> None:
         if not self.redis_url:
             self.redis = RedisServer(self.workdir / "redis", appendonly=True).start()
             self.redis_url = self.redis.url
-        job = self.s
+        job = self.s.model_copy(update={"job_steps": self.job_steps})
         if job.mode == "sync" and job.quorum < job.learners:  # classic DiLoCo: all M learners
             job = job.model_copy(update={"quorum": job.learners})
         job_args = flags(job, JobConfig.model_fields)
+        tape_args = ["--tape", str(self.s.tape)] if self.s.tape is not None else []
+        self.tape.write(
+            "run_started",
+            **{k: v for k, v in job.model_dump(mode="json").items() if k in RUN_KEYS},
+        )
         for i in range(self.s.synchronizers):
             child = synchronizer_child(
                 self.workdir,
                 self.redis_url,
                 f"synchronizer-{i}",
-                [*job_args, "--log-level", "info"],
+                [*job_args, "--log-level", "info", *tape_args],
             )
             self.synchronizers.append(child.start_and_wait())
         addresses = ",".join(s.address for s in self.synchronizers)
+        if any(f.kind in NETWORK_KINDS for f in self.faults):
+            upstreams = [
+                (a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addresses.split(",")
+            ]
+            self.proxy = FaultProxy(self.s.learners, upstreams).start()
         model_args = flags(self.s, ModelConfig.model_fields)
         speeds = self.s.speeds or [1.0] * self.s.learners
         if len(speeds) != self.s.learners:
             raise ValueError(f"--speeds gives {len(speeds)} values for {self.s.learners} learners")
         for i in range(self.s.learners):
             name = f"learner-{i}"
-            order = addresses.split(",")
+            order = self.proxy.addresses[i] if self.proxy else addresses.split(",")
             order = order[i % len(order) :] + order[: i % len(order)]  # spread over replicas
             args = atoll_command(
                 "learner",
@@ -155,7 +212,12 @@ class LocalCluster:
                 "--job",
                 self.s.job,
                 "--steps",
+                str(self.job_steps),  # a cap: the job's budget ends training
+                "--lr-horizon-steps",
                 str(self.s.steps),
+                "--compile-cache",
+                str(self.workdir / "compile-cache"),
+                *tape_args,
                 "--shard",
                 str(i),
                 "--num-shards",
@@ -173,9 +235,9 @@ class LocalCluster:
                 "--log-every",
                 str(self.s.log_every),
             )
-            self.learners.append(
-                Child(name, args, self.workdir / f"{name}.log", child_env(self.s.threads)).start()
-            )
+            learner = Child(name, args, self.workdir / f"{name}.log", child_env(self.s.threads))
+            self.learners.append(learner)
+            self._launch(learner)
 
     def summary_path(self, name: str) -> Path:
         return self.workdir / f"{name}.summary.json"
@@ -208,6 +270,9 @@ class LocalCluster:
             if not any(c.alive() for c in self.learners) and not self._down:
                 return state
             all_done = state.learners_done >= self.s.learners and state.pending == 0
+            if all_done and self.training_ended is None:
+                self.training_ended = time.time()
+                self.tape.write("training_ended", versions=state.versions)
             if all_done and time.monotonic() - quiet_since >= QUIET_BEFORE_STOP_S:
                 for c in self.learners:
                     c.signal(signal.SIGTERM)
@@ -219,6 +284,8 @@ class LocalCluster:
     def stop(self) -> None:
         for child in [*self.learners, *self.synchronizers]:
             child.stop()
+        if self.proxy is not None:
+            self.proxy.stop()
         if self.redis is not None:
             self.redis.stop()
 
@@ -238,6 +305,8 @@ class LocalCluster:
         for p in range(self.s.fragments):
             value = r.get(job_key(self.s.job, "theta", p))
             global_sums.append(checksum(value) if isinstance(value, bytes) else -1)
+        end = self.training_ended or time.time()
+        self._close_tape(r, logs)
         invariants = check_invariants(
             logs,
             state.versions,
@@ -252,6 +321,7 @@ class LocalCluster:
             summaries=summaries,
             stats=state.stats,
             wall_seconds=time.time() - self.started,
+            provisioned_seconds=provisioned_seconds(self.slot_started, end),
             invariants=invariants,
             eval_loss=min(evals) if evals else math.nan,
             faults=self.injected,
@@ -259,6 +329,39 @@ class LocalCluster:
             merged=merged_by_incarnation(logs),
             commit_logs=logs,
         )
+
+    def _close_tape(self, r: Any, logs: list[list[dict[str, Any]]]) -> None:
+        """Write down commits no replica did (one killed between its commit and its line),
+        and what is still pending, then end the tape."""
+        if self.s.tape is None:
+            return
+        on_tape = set(commits(read_tape(self.s.tape)))
+        for log in logs:
+            for entry in log:
+                if (int(entry["fragment"]), int(entry["version"])) not in on_tape:
+                    self.tape.write(
+                        "merged", at=float(entry["committed_at"]), backfilled=True, **entry
+                    )
+        pending = sorted(
+            uid.decode()
+            for p in range(self.s.fragments)
+            for uid in r.hkeys(job_key(self.s.job, "pmeta", p))
+        )
+        self.tape.write("run_ended", pending=pending)
+        self.tape.close()
+
+
+RUN_KEYS = (
+    "job",
+    "mode",
+    "fragments",
+    "inner_steps",
+    "overlap_steps",
+    "codec",
+    "quorum",
+    "grace_seconds",
+    "job_steps",
+)
 
 
 def run(settings: UpSettings) -> int:

@@ -91,6 +91,7 @@ class SynchronizerClient:
         self.connect_timeout_s = connect_timeout_s
         self.stats = ClientStats()
         self.welcome: session_pb2.Welcome | None = None
+        self.job_status: session_pb2.JobStatus | None = None  # newest, when the job has a budget
         self.fragments: queue.Queue[GlobalFragment] = queue.Queue()
         self.known_versions: dict[int, int] = {}
         self.step = 0
@@ -357,6 +358,8 @@ class SynchronizerClient:
                     got = self._assemble(assembler, message.fragment)
                     if got is not None:
                         self._deliver(got)
+                elif kind == "status":
+                    self.job_status = message.status
                 if self._closed.is_set():
                     break
         finally:
@@ -413,6 +416,11 @@ class SynchronizerClient:
                 for g in self.fetch_state(moved):
                     self.fragments.put(g)
         self._connected.set()
+
+    @property
+    def job_finished(self) -> bool:
+        """The job's step budget is spent: finish now (final sync), whatever --steps says."""
+        return self.job_status is not None and self.job_status.finish
 
     def _assemble(
         self, assembler: ChunkAssembler, chunk: fragment_pb2.GlobalFragmentChunk

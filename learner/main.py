@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import structlog
 
@@ -25,9 +26,20 @@ def limit_threads(threads: int) -> None:
         os.environ[var] = str(threads)
 
 
+def use_compile_cache(folder: Path) -> None:
+    """Keep every compiled function in `folder`, so the next process with the same model
+    (a restarted learner) loads it instead of compiling. Must run before JAX is imported."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(folder)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
 def run(settings: LearnerSettings) -> None:
     tm.configure_logging(settings.log_level)
     limit_threads(settings.threads)
+    if settings.compile_cache is not None:
+        use_compile_cache(settings.compile_cache)
     from prometheus_client import start_http_server
 
     from learner import workload

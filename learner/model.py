@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,14 @@ class TransformerConfig:
 
 
 def init_params(cfg: TransformerConfig, seed: int) -> Params:
+    """Initial parameters, made by one compiled function (one compilation, which a restarted
+    learner loads from the compile cache, instead of one per random op)."""
+    params: Params = _init(cfg, jnp.asarray(seed, jnp.uint32))
+    return params
+
+
+@partial(jax.jit, static_argnums=0)
+def _init(cfg: TransformerConfig, seed: jax.Array) -> Params:
     d = cfg.width
     keys = iter(jax.random.split(jax.random.key(seed), 4 + 4 * cfg.layers))
 

@@ -7,6 +7,11 @@ knew when it sent: that version holds its own update (a round takes each learner
 pending update). Values that other learners' rounds produce in between are remembered but
 not adopted, so no unsent local progress is overwritten. A fragment is not sent again before
 its reply arrives, so no progress is ever counted twice.
+
+Steps taken while an update is in flight (the overlap) are kept by default: the reply is
+applied as `theta <- Theta + (theta - theta_sent)`, and their counters go into the next
+update. With `keep_progress` off the reply overwrites them (`merge_global`), and their
+compute is lost.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ def due_fragments(step: int, fragments: int, inner_steps: int) -> list[int]:
         for p in range(fragments)
         if step % inner_steps == fragment_offset(p, fragments, inner_steps)
     ]
+
+
+def rebase(theta: np.ndarray, sent: np.ndarray, global_value: np.ndarray) -> np.ndarray:
+    """The new global value plus the local progress made since the update was taken."""
+    return np.asarray(global_value + (theta - sent), np.float32)
 
 
 def merge_global(theta: np.ndarray, global_value: np.ndarray, alpha: float) -> np.ndarray:
@@ -66,6 +76,8 @@ class FragmentState:
     latest: np.ndarray | None = None
     awaiting_above: int | None = None  # sent: adopt the first version above this
     due: bool = False  # due, but its previous send is still in flight
+    keep_progress: bool = True  # steps taken while in flight survive the reply
+    sent_theta: np.ndarray | None = None  # the fragment as the in-flight update took it
 
     @property
     def in_flight(self) -> bool:
@@ -81,11 +93,14 @@ class FragmentState:
         send = Send(self.base, self.version, self.steps, self.tokens, self.compute_seconds)
         self.awaiting_above = max(self.version, self.latest_version)
         self.due = False
+        if self.keep_progress:  # the update carries these; what follows counts anew
+            self.steps, self.tokens, self.compute_seconds = 0, 0, 0.0
         return send
 
     def encode(self, send: Send, theta: np.ndarray) -> bytes:
         """The outer gradient base - theta, encoded with error feedback (any thread; one at a
         time per fragment, as the residual carries over)."""
+        self.sent_theta = theta
         return self.feedback.encode((send.base - theta).astype(np.float32))
 
     def receive(self, value: np.ndarray, version: int) -> bool:
@@ -95,14 +110,24 @@ class FragmentState:
         self.latest, self.latest_version = value, version
         return self.awaiting_above is not None and version > self.awaiting_above
 
+    def local_value(self, theta: np.ndarray, global_value: np.ndarray, alpha: float) -> np.ndarray:
+        """What the local fragment becomes when `global_value` is adopted."""
+        if self.keep_progress and self.sent_theta is not None:
+            return rebase(theta, self.sent_theta, global_value)
+        return merge_global(theta, global_value, alpha)
+
     def adopt(self, global_value: np.ndarray, version: int) -> None:
-        """The reply arrived (or the state was re-fetched): the new anchor; counters restart."""
+        """The reply arrived (or the state was re-fetched): the new anchor. Counters restart,
+        unless the steps since the send were kept (they count toward the next update)."""
+        kept = self.keep_progress and self.sent_theta is not None
         self.base = global_value
         self.version = version
         self.latest_version = max(self.latest_version, version)
         self.awaiting_above = None
+        self.sent_theta = None
         self.due = False  # a sync that waited for this reply has nothing left to send
-        self.steps, self.tokens, self.compute_seconds = 0, 0, 0.0
+        if not kept:
+            self.steps, self.tokens, self.compute_seconds = 0, 0, 0.0
 
 
 @dataclass
@@ -111,11 +136,20 @@ class OuterState:
 
     @classmethod
     def start(
-        cls, globals_: list[tuple[int, np.ndarray]], codec: Codec, block_size: int
+        cls,
+        globals_: list[tuple[int, np.ndarray]],
+        codec: Codec,
+        block_size: int,
+        keep_progress: bool = True,
     ) -> OuterState:
         return cls(
             [
-                FragmentState(value.copy(), version, ErrorFeedback(codec, block_size))
+                FragmentState(
+                    value.copy(),
+                    version,
+                    ErrorFeedback(codec, block_size),
+                    keep_progress=keep_progress,
+                )
                 for version, value in globals_
             ]
         )

@@ -68,3 +68,34 @@ def test_a_late_reply_does_not_trigger_an_empty_send() -> None:
     f.adopt(np.ones(4, np.float32), 1)
     assert not f.due
     assert f.steps == 0
+
+
+def test_steps_taken_in_flight_survive_the_reply_and_count_next_time() -> None:
+    f = state()
+    f.count(tokens=10, seconds=0.5)
+    send = f.begin_send()
+    assert (send.steps, send.compute_seconds) == (1, 0.5)
+    f.encode(send, np.full(4, -1.0, np.float32))  # the update took theta = -1
+    f.count(tokens=10, seconds=0.25)  # a step while in flight: theta moved to -1.5
+    theta = np.full(4, -1.5, np.float32)
+    glob = np.full(4, 3.0, np.float32)
+    assert f.receive(glob, 1)
+    np.testing.assert_array_equal(f.local_value(theta, glob, 0.0), np.full(4, 2.5))
+    f.adopt(glob, 1)
+    assert (f.steps, f.tokens, f.compute_seconds) == (1, 10, 0.25)  # the kept step
+    assert f.sent_theta is None
+    # With nothing in flight, adopting overwrites (the end of a run, a refetch).
+    np.testing.assert_array_equal(f.local_value(theta, glob, 0.0), glob)
+
+
+def test_without_keep_progress_the_reply_overwrites_the_overlap() -> None:
+    f = state()
+    f.keep_progress = False
+    f.count(tokens=10, seconds=0.5)
+    send = f.begin_send()
+    f.encode(send, np.full(4, -1.0, np.float32))
+    f.count(tokens=10, seconds=0.25)
+    glob = np.full(4, 3.0, np.float32)
+    np.testing.assert_array_equal(f.local_value(np.full(4, -1.5, np.float32), glob, 0.0), glob)
+    f.adopt(glob, 1)
+    assert (f.steps, f.compute_seconds) == (0, 0.0)

@@ -74,3 +74,14 @@ class LearnerSettings(ModelConfig, AtollSettings):
         "values this long (or until SIGTERM), so the learner ends on the final global model",
     )
     log_level: str = Field("info", description="debug, info, warning or error")
+    tape: Path | None = Field(
+        None, description="append this learner's state changes (JSON lines) to this tape file"
+    )
+    lr_horizon_steps: int = Field(
+        0, ge=0, description="steps over which the learning rate decays; 0: --steps"
+    )
+    compile_cache: Path | None = Field(
+        None,
+        description="folder for JAX's persistent compilation cache: a restarted learner loads "
+        "its compiled step from here instead of compiling again",
+    )

@@ -29,13 +29,14 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from learner.client import GlobalFragment, SynchronizerClient
-from learner.outer import OuterState, due_fragments, merge_global
+from learner.outer import OuterState, due_fragments
 from learner.settings import LearnerSettings
 from learner.workload import Named, Workload
 from services import codec as codecs
 from services import telemetry as tm
 from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
+from services.tape import Tape
 
 log = structlog.get_logger("atoll.learner")
 FINAL_SYNC_TIMEOUT_S = 120.0
@@ -64,6 +65,8 @@ class Learner:
             LeafSpec(n, tuple(int(d) for d in v.shape), "float32") for n, v in flat.items()
         ]
         self.timeline = Timeline()
+        self.tape = Tape(settings.tape, settings.id)
+        self._reconnects_seen = 0
         self._provisioned_until = time.monotonic()
         self.stop_requested = threading.Event()
         self.step = 0
@@ -118,7 +121,10 @@ class Learner:
         if len(globals_) != self.P:
             raise RuntimeError(f"fetched {len(globals_)} of {self.P} global fragments; retry")
         self.outer = OuterState.start(
-            [(g.version, g.values) for g in globals_], self.codec, self.block_size
+            [(g.version, g.values) for g in globals_],
+            self.codec,
+            self.block_size,
+            keep_progress=cfg.keep_overlap_progress,
         )
         for g in globals_:
             flat.update(self.layout.scatter(g.fragment, g.values))
@@ -138,7 +144,7 @@ class Learner:
 
     def compile(self) -> None:
         named, loss_fn = self.named, self.w.loss_fn
-        steps = self.s.steps or 1_000_000
+        steps = self.s.lr_horizon_steps or self.s.steps or 1_000_000
         schedule = optax.warmup_cosine_decay_schedule(
             0.0,
             self.s.lr,
@@ -177,11 +183,21 @@ class Learner:
         self.compile()
         self._load_position()
         self._badput("startup", time.monotonic() - start)
+        if not self.s.standalone:
+            self.tape.write(
+                "joined",
+                incarnation=self.incarnation,
+                step=self.step,
+                versions=[f.version for f in self.outer.fragments],
+            )
         last_heartbeat = 0.0
         first = True
         while not self.stop_requested.is_set() and (not self.s.steps or self.step < self.s.steps):
             if not self.s.standalone:
                 self.client.check()
+                if self.client.job_finished:
+                    log.info("job_budget_reached", learner=self.s.id, step=self.step)
+                    break
             t0 = time.monotonic()
             batch = jax.device_put(self.w.batches.next(), self.batch_sharding)
             self.params, self.opt_state, loss = self._train_step(self.params, self.opt_state, batch)
@@ -200,6 +216,7 @@ class Learner:
                     else (EMA_DECAY * self.ema_step_s + (1 - EMA_DECAY) * seconds)
                 )
             self._record_step(seconds)
+            self.tape.write("step", step=self.step, seconds=round(seconds, 6))
             if self.s.standalone:
                 continue
             self._sync_step()
@@ -261,6 +278,14 @@ class Learner:
                 c_tokens=send.tokens,
                 compute_seconds=send.compute_seconds,
             )
+            self.tape.write(
+                "sent",
+                uid=self._uid(seq),
+                fragment=p,
+                base_version=send.version,
+                steps=send.steps,
+                compute_seconds=round(send.compute_seconds, 6),
+            )
             return seq, p, send.compute_seconds
 
         self._encoding.append(self._encoder.submit(encode_and_queue))
@@ -285,8 +310,9 @@ class Learner:
 
     def _adopt(self, p: int, value: np.ndarray, version: int) -> None:
         f = self.outer.fragments[p]
-        theta = self.layout.gather(p, self._host_leaves(p)) if self.alpha else value
-        merged = merge_global(theta, value, self.alpha)
+        needs_local = self.alpha or (f.keep_progress and f.sent_theta is not None)
+        theta = self.layout.gather(p, self._host_leaves(p)) if needs_local else value
+        merged = f.local_value(theta, value, self.alpha)
         f.adopt(value, version)
         for name, leaf in self.layout.scatter(p, merged).items():
             self.params[name] = jax.device_put(jnp.asarray(leaf), self.replicated)
@@ -318,6 +344,8 @@ class Learner:
             if ack is None:
                 continue
             p, compute = self.pending_acks.pop(seq)
+            status = session_pb2.AckStatus.Name(ack.status).removeprefix("ACK_STATUS_").lower()
+            self.tape.write("acked", uid=self._uid(seq), fragment=p, status=status)
             if ack.status in (session_pb2.ACK_STATUS_ACCEPTED, session_pb2.ACK_STATUS_DUPLICATE):
                 tm.GOODPUT_SECONDS.inc(compute / self.P)
                 continue
@@ -359,7 +387,14 @@ class Learner:
         self.timeline.badput[source] += seconds
         tm.BADPUT_SECONDS.labels(source=source).inc(seconds)
 
+    def _uid(self, seq: int) -> str:
+        """An update's id, as the synchronizer and the commit log name it."""
+        return f"{self.s.id}/{self.incarnation}/{seq}"
+
     def _heartbeat(self, done: bool = False) -> None:
+        if self.client.stats.reconnects != self._reconnects_seen:
+            self._reconnects_seen = self.client.stats.reconnects
+            self.tape.write("reconnected", reconnects=self._reconnects_seen)
         now = time.monotonic()
         tm.PROVISIONED_SECONDS.inc(now - self._provisioned_until)
         self._provisioned_until = now
@@ -393,6 +428,7 @@ class Learner:
         self._apply_arrivals(timeout=0.5)
         # Training is over: nothing local is left to lose, so take the newest global values.
         for p, f in enumerate(self.outer.fragments):
+            f.sent_theta = None  # overwrite: the learner ends on the global model itself
             if f.latest is not None and f.latest_version > f.version:
                 self._adopt(p, f.latest, f.latest_version)
         self._evaluate()
@@ -409,6 +445,14 @@ class Learner:
             else []
         )
         wall = time.time() - self.timeline.started
+        if synced:
+            self.tape.write(
+                "finished",
+                incarnation=self.incarnation,
+                step=self.step,
+                checksums=checksums,
+                versions=[f.version for f in self.outer.fragments],
+            )
         return {
             "learner": self.s.id,
             "incarnation": self.incarnation,
@@ -462,6 +506,7 @@ class Learner:
         self._encoder.shutdown(wait=True)
         self._save_position()
         self.client.close()
+        self.tape.close()
 
 
 def install_stop_handler(learner: Learner) -> None:

@@ -63,7 +63,17 @@ class JobConfig(BaseModel):
         "here it destabilises decoupled partial rounds, see docs/algorithm.md)",
     )
     merge_alpha: float = Field(
-        0.0, ge=0.0, le=1.0, description="learner merge: theta <- alpha*theta + (1-alpha)*global"
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="learner merge when overlap progress is not kept: "
+        "theta <- alpha*theta + (1-alpha)*global",
+    )
+    keep_overlap_progress: bool = Field(
+        True,
+        description="steps a learner takes while its update is in flight survive the reply "
+        "(theta <- global + (theta - theta_sent)) and count toward its next update; off: the "
+        "reply overwrites them (--merge-alpha) and their compute is lost",
     )
     partial_rounds: Literal["scaled", "full"] = Field(
         "scaled",
@@ -75,6 +85,13 @@ class JobConfig(BaseModel):
     )
     max_chunk_bytes: int = Field(
         DEFAULT_MAX_CHUNK_BYTES, ge=1024, le=1 << 22, description="payload chunk size on the wire"
+    )
+    job_steps: int = Field(
+        0,
+        ge=0,
+        description="the job's budget of inner steps over all learner slots together: once "
+        "reached, every learner does its final sync and stops (a learner slowed by a fault "
+        "does fewer steps, the others more); 0: each learner runs its own --steps",
     )
 
 
@@ -131,6 +148,9 @@ class SynchronizerSettings(JobConfig, AtollSettings):
     log_level: str = Field("info", description="debug, info, warning or error")
     port_file: Path | None = Field(
         None, description="write the bound gRPC and metrics ports here (JSON) once serving"
+    )
+    tape: Path | None = Field(
+        None, description="append this replica's state changes (JSON lines) to this tape file"
     )
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ import structlog
 from services import codec as codecs
 from services import telemetry as tm
 from services.config import JobConfig
+from services.tape import Tape
 from synchronizer.merge import Contribution, OuterOptimizer, merge_contributions
 from synchronizer.rounds import RoundPolicy, decide
 from synchronizer.store import Commit, PendingUpdate, Store
@@ -29,9 +30,15 @@ SWEEP_INTERVAL_S = 0.25
 
 class Merger:
     def __init__(
-        self, store: Store, config: JobConfig, replica: str, fragments: Callable[[], int]
+        self,
+        store: Store,
+        config: JobConfig,
+        replica: str,
+        fragments: Callable[[], int],
+        tape: Tape | None = None,
     ) -> None:
         self._store = store
+        self._tape = tape or Tape(None, replica)
         self._cfg = config
         self._replica = replica
         self._fragments = fragments  # 0 until the job's spec is known
@@ -115,6 +122,7 @@ class Merger:
                 return
             tm.MERGES.inc()
             tm.MERGE_SECONDS.observe(time.monotonic() - started)
+            self._tape.write("merged", **commit.log_entry)
             log.info(
                 "merged",
                 fragment=fragment,
@@ -162,6 +170,7 @@ class Merger:
         outer_gradient, weights, scale = merge_contributions(contributions, live_learners)
         new_theta, new_state = self.optimizer.step(theta, opt_state, outer_gradient)
         fragments = max(1, self._fragments())
+        useful_seconds = sum(c.compute_seconds for c in contributions) / fragments
         staleness = [version - c.base_version for c in contributions]
         for s in staleness:
             tm.STALENESS.observe(s)
@@ -173,7 +182,7 @@ class Merger:
             theta=new_theta,
             opt_state=new_state,
             uids=[c.uid for c in contributions],
-            useful_seconds=sum(c.compute_seconds for c in contributions) / fragments,
+            useful_seconds=useful_seconds,
             tokens_merged=sum(c.c_tokens for c in contributions) / fragments,
             stale_folded=sum(1 for s in staleness if s > 0),
             t_sync_s=time.monotonic() - started,
@@ -187,6 +196,8 @@ class Merger:
                 "base_versions": [c.base_version for c in contributions],
                 "replica": self._replica,
                 "committed_at": time.time(),
+                "useful_seconds": useful_seconds,
+                "checksum": codecs.checksum(np.asarray(new_theta, "<f4").tobytes()),
             },
         )
 

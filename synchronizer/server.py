@@ -96,6 +96,7 @@ async def serve(settings: SynchronizerSettings) -> None:
         replica=settings.replica_id,
         job=settings.job,
     )
+    service.tape.write("started", port=port)
     if settings.port_file is not None:
         settings.port_file.write_text(json.dumps({"grpc": port, "metrics": bound_metrics}))
 

@@ -29,6 +29,7 @@ from services.gen.atoll.v1 import (
     synchronizer_pb2_grpc,
 )
 from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
+from services.tape import Tape
 from services.wire import ChunkAssembler, WireError, make_header, split
 from services.wirecount import counting_parser, counting_serializer
 from synchronizer.admission import Rejection, check_header, check_payload
@@ -95,7 +96,10 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
         self.store = store
         self.layout: FragmentLayout | None = None
         self.spec: list[LeafSpec] = []
-        self.merger = Merger(store, settings, settings.replica_id, self._num_fragments)
+        self.tape = Tape(settings.tape, settings.replica_id)
+        self.merger = Merger(
+            store, settings, settings.replica_id, self._num_fragments, tape=self.tape
+        )
         self.connections: dict[str, Connection] = {}
         self._initial: dict[str, dict[int, np.ndarray]] = {}
         self._bytes = {"up": 0, "down": 0}
@@ -256,6 +260,8 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
                 merge_alpha=cfg.merge_alpha,
                 max_staleness=cfg.max_staleness,
                 max_chunk_bytes=cfg.max_chunk_bytes,
+                job_steps=cfg.job_steps,
+                keep_overlap_progress=cfg.keep_overlap_progress,
             ),
             params=specs_to_proto(self.spec),
             versions=await self.store.versions(self.layout.num_fragments),
@@ -294,7 +300,7 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             conn.outbox.put_nowait(None)
 
     async def _heartbeat(self, conn: Connection, hb: session_pb2.Heartbeat) -> None:
-        renewed = await self.store.heartbeat(
+        steps_done = await self.store.heartbeat(
             conn.learner,
             conn.incarnation,
             self.settings.lease_ttl_s,
@@ -305,13 +311,19 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             eval_loss=hb.eval_loss if math.isfinite(hb.eval_loss) else -1.0,
             done=1.0 if hb.done else 0.0,
         )
-        if not renewed:
+        if steps_done is None:
             conn.outbox.put_nowait(
                 SessionClosed(
                     grpc.StatusCode.ABORTED,
                     "a newer incarnation of this learner id has joined; this one must stop",
                 )
             )
+        elif self.settings.job_steps:
+            budget = self.settings.job_steps
+            status = session_pb2.JobStatus(
+                steps_done=steps_done, job_steps=budget, finish=steps_done >= budget
+            )
+            conn.send(session_pb2.SynchronizerMessage(status=status))
 
     async def _update(
         self, conn: Connection, assembler: ChunkAssembler, chunk: session_pb2.UpdateChunk
@@ -408,6 +420,7 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
         )
         if result.status == "accepted":
             tm.UPDATES_ACCEPTED.inc()
+            self.tape.write("accepted", uid=uid, fragment=header.fragment, learner=conn.learner)
             asyncio.create_task(self._evaluate(header.fragment))  # noqa: RUF006
             return session_pb2.Ack(
                 seq=chunk.seq, status=session_pb2.ACK_STATUS_ACCEPTED, version=result.version

@@ -78,7 +78,7 @@ class Store(Protocol):
     ) -> tuple[bool, str]: ...
     async def heartbeat(
         self, learner: str, incarnation: str, ttl_s: float, **fields: float
-    ) -> bool: ...
+    ) -> int | None: ...
     async def leave(self, learner: str, incarnation: str) -> None: ...
     async def is_initialized(self) -> bool: ...
     async def initialize(
@@ -194,12 +194,19 @@ class RedisStore:
 
     async def heartbeat(
         self, learner: str, incarnation: str, ttl_s: float, **fields: float
-    ) -> bool:
+    ) -> int | None:
+        """Renew the lease; return the job's steps over all slots, None if not renewed."""
         args = [learner, incarnation, int(ttl_s * 1000)]
         args += [repr(float(fields[k])) for k in ("step", "ema", "tokens_s", "loss", "eval_loss")]
         args.append(int(fields.get("done", 0)))
-        keys = [self.key("learners"), self.key("learner", learner), self.key("ema")]
-        return bool(await self._run("heartbeat", keys, args))
+        keys = [
+            self.key("learners"),
+            self.key("learner", learner),
+            self.key("ema"),
+            self.key("slot_steps"),
+        ]
+        total = int(await self._run("heartbeat", keys, args))
+        return None if total < 0 else total
 
     async def leave(self, learner: str, incarnation: str) -> None:
         await self._run(

@@ -31,7 +31,11 @@ def test_a_killed_learner_rejoins_and_its_later_updates_are_merged(tmp_path: Pat
     incarnations = victim["merged_by_incarnation"]
     assert len(incarnations) >= 2, incarnations  # updates from before and after the kill
     assert incarnations.get(victim["incarnation"], 0) >= 1  # the new incarnation's too
-    assert victim["steps"] == STEPS  # it went on from its step count, not from zero
+    joins = [e for e in report["_tape"] if e["kind"] == "joined" and e["who"] == "learner-1"]
+    assert len(joins) == 2
+    assert joins[1]["step"] > 0  # it went on from its step count, not from zero
+    # The job's budget: the others made up the steps the victim lost.
+    assert sum(p["steps"] for p in report["per_learner"]) >= 3 * STEPS
 
 
 def test_a_paused_learner_does_not_stop_the_others(tmp_path: Path) -> None:
@@ -66,3 +70,21 @@ def test_redis_restarted_loses_no_committed_version(tmp_path: Path) -> None:
     report = up(tmp_path, "--learners", "2", *FAST, "--chaos", "redis-restart:at=5s")
     check(report, 1)
     assert report["versions_committed"] >= STEPS // H - 3
+
+
+def test_a_partitioned_learner_catches_up_after_the_partition_heals(tmp_path: Path) -> None:
+    report = up(
+        tmp_path, "--learners", "3", *FAST, "--chaos", "net-partition:at=5s,for=6s,victim=1"
+    )
+    check(report, 1)
+    tape = report["_tape"]
+    cut = next(e["t"] for e in tape if e["kind"] == "fault")
+    healed = next(e["t"] for e in tape if e["kind"] == "healed")
+    assert healed - cut >= 5.5
+    merged = [e for e in tape if e["kind"] == "merged"]
+    during = [m for m in merged if cut + 1 <= m["t"] <= healed]
+    assert during, "the others' versions did not advance during the partition"
+    assert all("learner-1" not in m["learners"] for m in during)
+    assert any(e["kind"] == "reconnected" and e["who"] == "learner-1" for e in tape)
+    after = [m for m in merged if m["t"] > healed and "learner-1" in m["learners"]]
+    assert after, "the partitioned learner's updates were not merged after the heal"

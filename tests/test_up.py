@@ -7,12 +7,14 @@ import math
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
 
 from cluster.processes import atoll_command
 from cluster.report import missing_keys
+from services.tape import read as read_tape
 
 SMALL = [
     "--layers",
@@ -32,8 +34,11 @@ SMALL = [
 ]
 
 
-def up(tmp_path: Path, *args: str, timeout: float = 400) -> dict[str, object]:
+def up(tmp_path: Path, *args: str, timeout: float = 400) -> dict[str, Any]:
+    """Run `atoll up` with a tape; check the tape says what the report says. The report comes
+    back with the tape's events under `_tape`."""
     report = tmp_path / "r.json"
+    tape = tmp_path / "tape.jsonl"
     proc = subprocess.run(
         [
             *atoll_command("up"),
@@ -41,6 +46,8 @@ def up(tmp_path: Path, *args: str, timeout: float = 400) -> dict[str, object]:
             str(tmp_path / "w"),
             "--report",
             str(report),
+            "--tape",
+            str(tape),
             *SMALL,
             *args,
         ],
@@ -55,7 +62,17 @@ def up(tmp_path: Path, *args: str, timeout: float = 400) -> dict[str, object]:
         if any(str(tmp_path) in part for part in (p.info["cmdline"] or []))
     ]
     assert not leftovers, f"processes left behind: {leftovers}"
-    return dict(json.loads(report.read_text()))
+    result = dict(json.loads(report.read_text()))
+    check = subprocess.run(
+        [*atoll_command("check"), str(tape)], capture_output=True, text=True, timeout=60
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    from_tape = json.loads(check.stdout)
+    assert from_tape["invariants"]["ok"]
+    assert abs(from_tape["goodput"] - result["goodput"]) <= 0.005, (from_tape, result["goodput"])
+    assert from_tape["commits"] == result["versions_committed"]
+    result["_tape"] = read_tape(tape)
+    return result
 
 
 def test_decoupled_run_trains_commits_and_ends_on_the_global_model(tmp_path: Path) -> None:

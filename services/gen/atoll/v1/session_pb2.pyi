@@ -125,6 +125,8 @@ class JobConfig(_message.Message):
     MERGE_ALPHA_FIELD_NUMBER: _builtins.int
     MAX_STALENESS_FIELD_NUMBER: _builtins.int
     MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    JOB_STEPS_FIELD_NUMBER: _builtins.int
+    KEEP_OVERLAP_PROGRESS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     mode: _builtins.str
     """"decoupled" or "sync" """
@@ -140,6 +142,9 @@ class JobConfig(_message.Message):
     """theta <- alpha*theta + (1-alpha)*Theta"""
     max_staleness: _builtins.int
     max_chunk_bytes: _builtins.int
+    job_steps: _builtins.int
+    keep_overlap_progress: _builtins.bool
+    """theta <- Theta + (theta - theta_sent) on a reply      // inner steps the whole job trains, over all learner slots; 0: no budget"""
     def __init__(
         self,
         *,
@@ -153,10 +158,12 @@ class JobConfig(_message.Message):
         merge_alpha: _builtins.float = ...,
         max_staleness: _builtins.int = ...,
         max_chunk_bytes: _builtins.int = ...,
+        job_steps: _builtins.int = ...,
+        keep_overlap_progress: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "codec", b"codec", "fragments", b"fragments", "inner_steps", b"inner_steps", "job", b"job", "max_chunk_bytes", b"max_chunk_bytes", "max_staleness", b"max_staleness", "merge_alpha", b"merge_alpha", "mode", b"mode", "overlap_steps", b"overlap_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "codec", b"codec", "fragments", b"fragments", "inner_steps", b"inner_steps", "job", b"job", "job_steps", b"job_steps", "keep_overlap_progress", b"keep_overlap_progress", "max_chunk_bytes", b"max_chunk_bytes", "max_staleness", b"max_staleness", "merge_alpha", b"merge_alpha", "mode", b"mode", "overlap_steps", b"overlap_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -353,30 +360,64 @@ class LearnerMessage(_message.Message):
 Global___LearnerMessage: _TypeAlias = LearnerMessage  # noqa: Y015
 
 @_typing.final
+class JobStatus(_message.Message):
+    """The job's progress against its step budget; sent after each heartbeat when the job has one."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEPS_DONE_FIELD_NUMBER: _builtins.int
+    JOB_STEPS_FIELD_NUMBER: _builtins.int
+    FINISH_FIELD_NUMBER: _builtins.int
+    steps_done: _builtins.int
+    """inner steps done by all learner slots together"""
+    job_steps: _builtins.int
+    """the budget"""
+    finish: _builtins.bool
+    """budget reached: do the final sync, then stop"""
+    def __init__(
+        self,
+        *,
+        steps_done: _builtins.int = ...,
+        job_steps: _builtins.int = ...,
+        finish: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "job_steps", b"job_steps", "steps_done", b"steps_done"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobStatus: _TypeAlias = JobStatus  # noqa: Y015
+
+@_typing.final
 class SynchronizerMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WELCOME_FIELD_NUMBER: _builtins.int
     ACK_FIELD_NUMBER: _builtins.int
     FRAGMENT_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
     def ack(self) -> Global___Ack: ...
     @_builtins.property
     def fragment(self) -> _fragment_pb2.GlobalFragmentChunk: ...
+    @_builtins.property
+    def status(self) -> Global___JobStatus: ...
     def __init__(
         self,
         *,
         welcome: Global___Welcome | None = ...,
         ack: Global___Ack | None = ...,
         fragment: _fragment_pb2.GlobalFragmentChunk | None = ...,
+        status: Global___JobStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "fragment", b"fragment", "kind", b"kind", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "fragment", b"fragment", "kind", b"kind", "status", b"status", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "fragment", b"fragment", "kind", b"kind", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "fragment", b"fragment", "kind", b"kind", "status", b"status", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "ack", "fragment"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "ack", "fragment", "status"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -1,0 +1,121 @@
+"""`atoll check TAPE`: the run's invariants and goodput, from its tape alone.
+
+- no acknowledged update lost: every update a synchronizer accepted (or a learner saw
+  acknowledged as accepted) entered exactly one commit, unless the run ended with it pending;
+- none applied twice: no update id in two commits;
+- each fragment's versions consecutive from 1, each round committed once (two commits of
+  one version with different updates is a split brain);
+- after the final sync every live learner holds the global model: each learner's last
+  `finished` checksums equal the checksums of its fragments' last commits.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import CliPositionalArg
+
+from cluster.report import Invariants
+from services import goodput as gp
+from services import tape
+from services.config import AtollSettings
+
+
+def check_tape(events: Sequence[dict[str, Any]]) -> Invariants:
+    problems: list[str] = []
+    merged = [e for e in events if e["kind"] == "merged"]
+    rounds: dict[tuple[int, int], list[str]] = {}
+    for e in merged:
+        key = (int(e["fragment"]), int(e["version"]))
+        uids = sorted(e["uids"])
+        if key in rounds and rounds[key] != uids:
+            problems.append(
+                f"fragment {key[0]} version {key[1]} was committed twice, with different updates"
+            )
+        rounds.setdefault(key, uids)
+    versions: dict[int, list[int]] = defaultdict(list)
+    for fragment, version in sorted(rounds):
+        versions[fragment].append(version)
+    for fragment, seen in sorted(versions.items()):
+        if seen != list(range(1, len(seen) + 1)):
+            problems.append(f"fragment {fragment}: versions {seen} are not consecutive from 1")
+    counts = Counter(uid for uids in rounds.values() for uid in uids)
+    double = sum(n - 1 for n in counts.values() if n > 1)
+    if double:
+        problems.append(f"{double} updates were applied more than once")
+    acknowledged = {str(e["uid"]) for e in events if e["kind"] == "accepted"}
+    acknowledged |= {
+        str(e["uid"]) for e in events if e["kind"] == "acked" and e.get("status") == "accepted"
+    }
+    pending = {str(u) for e in events if e["kind"] == "run_ended" for u in e.get("pending", [])}
+    lost = sorted(acknowledged - set(counts) - pending)
+    if lost:
+        problems.append(f"{len(lost)} acknowledged updates were never merged (first: {lost[0]})")
+    problems += _final_models(events, gp.commits(events))
+    return Invariants(not problems, len(lost), double, problems)
+
+
+def _final_models(
+    events: Sequence[dict[str, Any]], commits: dict[tuple[int, int], dict[str, Any]]
+) -> list[str]:
+    last: dict[int, dict[str, Any]] = {}
+    for (fragment, version), commit in commits.items():
+        if fragment not in last or version > int(last[fragment]["version"]):
+            last[fragment] = commit
+    if not last or any("checksum" not in c for c in last.values()):
+        return []
+    final = [int(last[p]["checksum"]) for p in sorted(last)]
+    finished: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e["kind"] == "finished":
+            finished[str(e["who"])] = e  # each learner's last word
+    return [
+        f"learner {who} does not hold the final global model"
+        for who, e in sorted(finished.items())
+        if [int(c) for c in e["checksums"]] != final
+    ]
+
+
+def summarize(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    inv = check_tape(events)
+    g = gp.from_tape(events)
+    kinds = Counter(str(e["kind"]) for e in events)
+    return {
+        "events": len(events),
+        "learners": g.learners,
+        "commits": len(gp.commits(events)),
+        "faults": kinds.get("fault", 0),
+        "rejoins": kinds.get("restarted", 0),
+        "reconnects": kinds.get("reconnected", 0),
+        "training_seconds": round(g.end - g.start, 3),
+        "useful_seconds": round(g.useful_s, 3),
+        "provisioned_seconds": round(g.provisioned_s, 3),
+        "goodput": round(g.goodput, 4),
+        "invariants": {
+            "ok": inv.ok,
+            "lost_updates": inv.lost_updates,
+            "double_applied": inv.double_applied,
+            "problems": inv.problems,
+        },
+    }
+
+
+class CheckSettings(AtollSettings):
+    """`atoll check TAPE`: a run's invariants and goodput from its tape (exit 3 if broken)."""
+
+    tape: CliPositionalArg[Path] = Field(description="tape file written by `atoll up --tape PATH`")
+    json_path: Path | None = Field(None, alias="json", description="also write the result here")
+
+
+def run(settings: CheckSettings) -> int:
+    result = summarize(tape.read(settings.tape))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if settings.json_path is not None:
+        settings.json_path.write_text(text + "\n")
+    return 0 if result["invariants"]["ok"] else 3

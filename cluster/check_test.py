@@ -1,0 +1,64 @@
+from typing import Any
+
+from cluster.check import check_tape, summarize
+
+
+def _run(
+    replace: dict[int, dict[str, Any]] | None = None, add: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = [
+        {"t": 0.0, "who": "cluster", "kind": "launched", "learner": "l0"},
+        {"t": 1.0, "who": "s0", "kind": "accepted", "uid": "l0/i/1"},
+        {"t": 1.1, "who": "l0", "kind": "acked", "uid": "l0/i/1", "status": "accepted"},
+        {"t": 1.2, "who": "s0", "kind": "accepted", "uid": "l0/i/2"},
+        {"t": 2.0, "who": "s0", "kind": "merged", "fragment": 0, "version": 1,
+         "uids": ["l0/i/1"], "useful_seconds": 1.0, "checksum": 11},
+        {"t": 3.0, "who": "s0", "kind": "merged", "fragment": 0, "version": 2,
+         "uids": ["l0/i/2"], "useful_seconds": 1.0, "checksum": 22},
+        {"t": 4.0, "who": "l0", "kind": "finished", "checksums": [22]},
+        {"t": 5.0, "who": "cluster", "kind": "run_ended", "pending": []},
+    ]  # fmt: skip
+    for index, event in (replace or {}).items():
+        events[index] = event
+    return events + (add or [])
+
+
+def test_a_clean_run_passes() -> None:
+    inv = check_tape(_run())
+    assert inv.ok, inv.problems
+    assert summarize(_run())["goodput"] == round(2.0 / 5.0, 4)
+
+
+def test_a_gap_in_versions_is_found() -> None:
+    gap = {"t": 3.0, "who": "s0", "kind": "merged", "fragment": 0, "version": 3,
+           "uids": ["l0/i/2"], "checksum": 22}  # fmt: skip
+    inv = check_tape(_run(replace={5: gap}))
+    assert not inv.ok
+    assert any("not consecutive" in p for p in inv.problems)
+
+
+def test_an_update_in_two_commits_is_double_applied() -> None:
+    again = {"t": 3.5, "who": "s1", "kind": "merged", "fragment": 0, "version": 3,
+             "uids": ["l0/i/2"], "checksum": 22}  # fmt: skip
+    inv = check_tape(_run(add=[again]))
+    assert inv.double_applied == 1
+
+
+def test_two_commits_of_one_round_with_different_updates_is_a_split_brain() -> None:
+    other = {"t": 3.1, "who": "s1", "kind": "merged", "fragment": 0, "version": 2,
+             "uids": ["l0/i/9"], "checksum": 23}  # fmt: skip
+    inv = check_tape(_run(add=[other]))
+    assert any("committed twice" in p for p in inv.problems)
+
+
+def test_an_acknowledged_update_never_merged_is_lost_unless_pending() -> None:
+    extra = {"t": 1.3, "who": "s0", "kind": "accepted", "uid": "l0/i/3"}
+    assert check_tape(_run(add=[extra])).lost_updates == 1
+    pending = {"t": 5.0, "who": "cluster", "kind": "run_ended", "pending": ["l0/i/3"]}
+    assert check_tape(_run(add=[extra], replace={7: pending})).ok
+
+
+def test_a_learner_ending_off_the_global_model_is_found() -> None:
+    stale = {"t": 4.0, "who": "l0", "kind": "finished", "checksums": [11]}
+    inv = check_tape(_run(replace={6: stale}))
+    assert inv.problems == ["learner l0 does not hold the final global model"]
