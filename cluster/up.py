@@ -47,9 +47,13 @@ def flags(model: Any, fields: Any) -> list[str]:
         value = getattr(model, name)
         if value is None or (isinstance(value, list) and not value):
             continue
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):  # implicit flags: --name / --no-name
+            out.append(f"--{flag}" if value else f"--no-{flag}")
+            continue
         if isinstance(value, list):
             value = json.dumps([str(v) for v in value])
-        out += [f"--{name.replace('_', '-')}", str(value)]
+        out += [f"--{flag}", str(value)]
     return out
 
 
