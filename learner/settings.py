@@ -54,7 +54,15 @@ class LearnerSettings(ModelConfig, AtollSettings):
     shard: int = Field(0, ge=0, description="this learner's data shard index")
     num_shards: int = Field(1, ge=1, description="number of data shards")
     state_dir: Path | None = Field(
-        None, description="folder keeping the read position, so a restart resumes its shard"
+        None,
+        description="folder keeping this slot's local checkpoint and read position, so a "
+        "restarted learner resumes its work and its shard",
+    )
+    checkpoint_every: int = Field(
+        5,
+        ge=0,
+        description="steps between local checkpoints in --state-dir (parameters, optimizer "
+        "state, outer bookkeeping); 0: none, a restart resumes only its place in the data",
     )
     speed: float = Field(
         1.0, gt=0.0, le=1.0, description="artificial slowdown: 0.25 makes steps 4x slower"

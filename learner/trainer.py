@@ -28,6 +28,7 @@ import structlog
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from learner import checkpoint as ckpt
 from learner.client import GlobalFragment, SynchronizerClient
 from learner.outer import OuterState, due_fragments
 from learner.settings import LearnerSettings
@@ -181,13 +182,16 @@ class Learner:
         else:
             self.join()
         self.compile()
-        self._load_position()
+        restored = not self.s.standalone and self._restore()
+        if not restored:
+            self._load_position()
         self._badput("startup", time.monotonic() - start)
         if not self.s.standalone:
             self.tape.write(
                 "joined",
                 incarnation=self.incarnation,
                 step=self.step,
+                restored=restored,
                 versions=[f.version for f in self.outer.fragments],
             )
         last_heartbeat = 0.0
@@ -255,6 +259,9 @@ class Learner:
                     self._wait_for(p, source="waiting")
         if self.s.eval_every and self.step % self.s.eval_every == 0:
             self._evaluate()
+        every = self.s.checkpoint_every
+        if self.s.state_dir is not None and every and self.step % every == 0:
+            self._checkpoint()
 
     def _send(self, p: int) -> None:
         """Start fragment p's update; the encoder thread finishes and queues it."""
@@ -335,7 +342,8 @@ class Learner:
         for job in self._encoding:
             if job.done():
                 seq, p, compute = job.result()
-                self.pending_acks[seq] = (p, compute)
+                if seq >= 0:  # a checkpoint written, not an update
+                    self.pending_acks[seq] = (p, compute)
             else:
                 still.append(job)
         self._encoding = still
@@ -476,6 +484,79 @@ class Learner:
             "reconnects": self.client.stats.reconnects,
             "data_position": self.w.batches.position,
         }
+
+    # --- the slot's local checkpoint: what a restart goes on from ---------------------------
+    def _checkpoint_path(self) -> Path:
+        assert self.s.state_dir is not None
+        return self.s.state_dir / f"{self.s.id}.checkpoint.npz"
+
+    def _checkpoint_key(self) -> dict[str, Any]:
+        return {"job": self.s.job, "learner": self.s.id, "fragments": self.P, "inner_steps": self.H}
+
+    def _checkpoint(self) -> None:
+        """Copy the state to the host now (between two steps); the encoder thread adds what
+        it owns (residuals, the fragment each update took) after the sends queued before,
+        and writes the file."""
+        arrays: dict[str, np.ndarray] = {}
+        fragments = self.outer.fragments
+        records = [ckpt.fragment_record(p, f, arrays) for p, f in enumerate(fragments)]
+        snap = ckpt.Snapshot(
+            meta={
+                **self._checkpoint_key(),
+                "step": self.step,
+                "tokens": self.tokens,
+                "position": self.w.batches.position,
+            },
+            params={k: np.asarray(v) for k, v in jax.device_get(dict(self.params)).items()},
+            opt_leaves=[np.asarray(x) for x in jax.device_get(jax.tree.leaves(self.opt_state))],
+            fragments=records,
+            arrays=arrays,
+        )
+        path = self._checkpoint_path()
+
+        def finish_and_write() -> tuple[int, int, float]:
+            for p, f in enumerate(fragments):
+                in_flight = records[p]["awaiting_above"] is not None
+                ckpt.encoder_arrays(p, f, in_flight, snap.arrays)
+            ckpt.write(path, snap)
+            return -1, -1, 0.0  # not an update: nothing to acknowledge
+
+        self._encoding.append(self._encoder.submit(finish_and_write))
+
+    def _restore(self) -> bool:
+        """Go on from this slot's local checkpoint, if there is one for this job and model."""
+        if self.s.state_dir is None or not self.s.checkpoint_every:
+            return False
+        loaded = ckpt.read(self._checkpoint_path())
+        if loaded is None:
+            return False
+        why = ckpt.matches(loaded, self._checkpoint_key(), list(self.params))
+        if why is not None:
+            log.warning("checkpoint_ignored", learner=self.s.id, reason=why)
+            return False
+        current = [(f.version, f.base) for f in self.outer.fragments]
+        for p, (f, record) in enumerate(zip(self.outer.fragments, loaded.fragments, strict=True)):
+            ckpt.restore_fragment(p, f, record, loaded.arrays)
+            version, value = current[p]
+            if version > f.latest_version:  # what the job holds now: known, not adopted
+                f.latest, f.latest_version = value, version
+        self.params = jax.device_put(
+            {k: jnp.asarray(v) for k, v in loaded.params.items()}, self.replicated
+        )
+        structure = jax.tree.structure(self.opt_state)
+        self.opt_state = jax.device_put(
+            jax.tree.unflatten(structure, [jnp.asarray(x) for x in loaded.opt_leaves]),
+            self.replicated,
+        )
+        self.step, self.tokens = int(loaded.meta["step"]), int(loaded.meta["tokens"])
+        self.w.batches.position = int(loaded.meta["position"])
+        log.info(
+            "restored",
+            learner=self.s.id,
+            step=self.step,
+            versions=[f.version for f in self.outer.fragments],
+        )
+        return True
 
     # --- where a learner slot stands: survives restarts ------------------------------------
     def _position_file(self) -> Path | None:

@@ -34,6 +34,7 @@ def test_a_killed_learner_rejoins_and_its_later_updates_are_merged(tmp_path: Pat
     joins = [e for e in report["_tape"] if e["kind"] == "joined" and e["who"] == "learner-1"]
     assert len(joins) == 2
     assert joins[1]["step"] > 0  # it went on from its step count, not from zero
+    assert joins[1]["restored"]  # and from its local checkpoint
     # The job's budget: the others made up the steps the victim lost.
     assert sum(p["steps"] for p in report["per_learner"]) >= 3 * STEPS
 

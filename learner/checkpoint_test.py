@@ -1,0 +1,58 @@
+from pathlib import Path
+
+import numpy as np
+
+from learner import checkpoint as ckpt
+from learner.outer import FragmentState
+from services import codec as codecs
+
+
+def _fragment(version: int) -> FragmentState:
+    return FragmentState(
+        np.full(3, float(version), np.float32),
+        version,
+        codecs.ErrorFeedback(codecs.by_name("int8"), 256),
+    )
+
+
+def test_a_checkpoint_round_trips_every_field(tmp_path: Path) -> None:
+    f = _fragment(4)
+    f.count(tokens=100, seconds=0.5)
+    send = f.begin_send()
+    f.encode(send, np.array([1.0, -2.0, 0.5], np.float32))  # in flight, with a residual
+    f.count(tokens=100, seconds=0.25)
+    arrays: dict[str, np.ndarray] = {}
+    records = [ckpt.fragment_record(0, f, arrays)]
+    ckpt.encoder_arrays(0, f, True, arrays)
+    snap = ckpt.Snapshot(
+        meta={"job": "j", "learner": "l0", "step": 7, "tokens": 700, "position": 9},
+        params={"w": np.arange(6, dtype=np.float32).reshape(2, 3)},
+        opt_leaves=[np.zeros(2, np.float32), np.asarray(3, np.int32)],
+        fragments=records,
+        arrays=arrays,
+    )
+    path = tmp_path / "l0.checkpoint.npz"
+    ckpt.write(path, snap)
+    loaded = ckpt.read(path)
+    assert loaded is not None
+    assert ckpt.matches(loaded, {"job": "j", "learner": "l0"}, ["w"]) is None
+    assert "job" in (ckpt.matches(loaded, {"job": "other"}, ["w"]) or "")
+    assert ckpt.matches(loaded, {"job": "j"}, ["w", "b"]) == "the model's parameters differ"
+    np.testing.assert_array_equal(loaded.params["w"], snap.params["w"])
+    assert [x.tolist() for x in loaded.opt_leaves] == [[0.0, 0.0], 3]
+    g = _fragment(0)
+    ckpt.restore_fragment(0, g, loaded.fragments[0], loaded.arrays)
+    assert (g.version, g.steps, g.tokens, g.compute_seconds) == (4, 1, 100, 0.25)
+    assert g.awaiting_above == f.awaiting_above
+    assert g.sent_theta is not None and f.sent_theta is not None
+    np.testing.assert_array_equal(g.sent_theta, f.sent_theta)
+    assert g.feedback.residual is not None and f.feedback.residual is not None
+    np.testing.assert_array_equal(g.feedback.residual, f.feedback.residual)
+    np.testing.assert_array_equal(g.base, f.base)
+
+
+def test_no_checkpoint_or_a_torn_one_is_none(tmp_path: Path) -> None:
+    assert ckpt.read(tmp_path / "missing.npz") is None
+    torn = tmp_path / "torn.npz"
+    torn.write_bytes(b"PK\x03\x04 not a whole archive")
+    assert ckpt.read(torn) is None
