@@ -44,9 +44,11 @@ def test_a_checkpoint_round_trips_every_field(tmp_path: Path) -> None:
     ckpt.restore_fragment(0, g, loaded.fragments[0], loaded.arrays)
     assert (g.version, g.steps, g.tokens, g.compute_seconds) == (4, 1, 100, 0.25)
     assert g.awaiting_above == f.awaiting_above
-    assert g.sent_theta is not None and f.sent_theta is not None
+    assert g.sent_theta is not None
+    assert f.sent_theta is not None
     np.testing.assert_array_equal(g.sent_theta, f.sent_theta)
-    assert g.feedback.residual is not None and f.feedback.residual is not None
+    assert g.feedback.residual is not None
+    assert f.feedback.residual is not None
     np.testing.assert_array_equal(g.feedback.residual, f.feedback.residual)
     np.testing.assert_array_equal(g.base, f.base)
 
