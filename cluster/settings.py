@@ -22,6 +22,12 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         "in all, so a learner a fault slowed or stopped does fewer and the others more "
         "(--job-steps sets that total directly)",
     )
+    compile_cache: Path | None = Field(
+        None,
+        description="JAX compilation cache the learners share, so restarted learners and later "
+        "runs of the same model skip compiling; default: $XDG_CACHE_HOME/atoll/compile "
+        "(~/.cache/atoll/compile)",
+    )
     tape: Path | None = Field(
         None,
         description="write the run's tape here: one JSON line per state change of every "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import sys
 import tempfile
@@ -220,7 +221,7 @@ class LocalCluster:
                 "--lr-horizon-steps",
                 str(self.s.steps),
                 "--compile-cache",
-                str(self.workdir / "compile-cache"),
+                str(self.s.compile_cache or default_compile_cache()),
                 *tape_args,
                 "--shard",
                 str(i),
@@ -353,6 +354,11 @@ class LocalCluster:
         )
         self.tape.write("run_ended", pending=pending)
         self.tape.close()
+
+
+def default_compile_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "atoll" / "compile"
 
 
 RUN_KEYS = (

@@ -88,7 +88,7 @@ def write(path: Path, snap: Snapshot) -> None:
     arrays = dict(snap.arrays)
     arrays.update({f"param/{k}": v for k, v in snap.params.items()})
     arrays.update({f"opt/{i}": v for i, v in enumerate(snap.opt_leaves)})
-    meta = {**snap.meta, "format": FORMAT, "fragments": snap.fragments}
+    meta = {**snap.meta, "format": FORMAT, "fragment_states": snap.fragments}
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     buffer = io.BytesIO()
     np.savez(buffer, allow_pickle=False, **arrays)
@@ -108,7 +108,7 @@ class Loaded:
 
     @property
     def fragments(self) -> list[dict[str, Any]]:
-        return list(self.meta["fragments"])
+        return list(self.meta["fragment_states"])
 
 
 def read(path: Path) -> Loaded | None:
