@@ -22,7 +22,7 @@ proto: $(STAMP)  ## regenerate services/gen from proto/
 lint: $(STAMP)  ## ruff, formatting and mypy strict
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy atoll services learner synchronizer cluster bench
+	$(VENV)/bin/mypy atoll services learner synchronizer cluster bench sim
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

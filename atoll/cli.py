@@ -16,6 +16,7 @@ from cluster.settings import UpSettings
 from learner.settings import LearnerSettings
 from services.config import SynchronizerSettings
 from services.lifecycle import watch_parent
+from sim.settings import SimSettings
 
 
 class SynchronizerCommand(SynchronizerSettings):
@@ -54,6 +55,15 @@ class CheckCommand(CheckSettings):
         raise SystemExit(run(self))
 
 
+class SimCommand(SimSettings):
+    """Goodput at datacenter scale (discrete-event simulation), or a run's tape replayed."""
+
+    def cli_cmd(self) -> None:
+        from sim.main import run
+
+        raise SystemExit(run(self))
+
+
 class Atoll(BaseSettings):
     """atoll: resilient, low-bandwidth distributed training (Decoupled DiLoCo)."""
 
@@ -72,6 +82,9 @@ class Atoll(BaseSettings):
     )
     check: CliSubCommand[CheckCommand] = Field(
         description="a run's invariants and goodput from its tape (atoll up --tape)"
+    )
+    sim: CliSubCommand[SimCommand] = Field(
+        description="goodput at scale by simulation: --table, --plot, or --tape replay"
     )
     bench: CliSubCommand[BenchCommand] = Field(
         description="benchmarks: synchronizer ingest, quality, overlap"

@@ -7,11 +7,12 @@ counters, error-feedback residual, the update in flight) and its place in the da
 file replaced atomically. A new incarnation of the slot restores it after joining, so only
 the steps since the last checkpoint are lost.
 
-Updates the dead incarnation had in flight are not sent again (their id belonged to it):
-if the synchronizer had accepted one, it is merged, and the restored learner adopts the
-reply as usual; if not, its steps are lost, and the rebase on the next global value drops
-them from the local fragment too. Restored updates based on versions the job has since left
-behind are folded as late updates, or refused as stale and the fragment re-fetched.
+On rejoining, every restored fragment moves onto the job's current value, keeping the
+progress made since its anchor (`FragmentState.carry_onto`), so the learner trains the
+current model and its next update is not stale. An update the dead incarnation had in
+flight is not sent again (its id belonged to it): if the synchronizer had accepted it, it is
+merged; if not, its steps are lost; either way the local fragment keeps only the progress
+made after it was taken.
 """
 
 from __future__ import annotations

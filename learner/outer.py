@@ -116,6 +116,23 @@ class FragmentState:
             return rebase(theta, self.sent_theta, global_value)
         return merge_global(theta, global_value, alpha)
 
+    def carry_onto(self, theta: np.ndarray, global_value: np.ndarray, version: int) -> np.ndarray:
+        """Move this fragment onto the job's current value and return the new local value,
+        keeping the progress made since its anchor (or, with an update in flight, since
+        that update was taken: the update itself is the synchronizer's now). A learner
+        restored from its checkpoint does this on rejoining, so its next update is based on
+        the current version instead of a stale one. Without kept progress it overwrites."""
+        if self.keep_progress:
+            ref = self.sent_theta if self.in_flight and self.sent_theta is not None else self.base
+            local = rebase(theta, ref, global_value)
+        else:
+            local = global_value.copy()
+            self.steps, self.tokens, self.compute_seconds = 0, 0, 0.0
+        self.base, self.version = global_value, version
+        self.latest, self.latest_version = None, max(self.latest_version, version)
+        self.awaiting_above, self.sent_theta, self.due = None, None, False
+        return local
+
     def adopt(self, global_value: np.ndarray, version: int) -> None:
         """The reply arrived (or the state was re-fetched): the new anchor. Counters restart,
         unless the steps since the send were kept (they count toward the next update)."""

@@ -99,3 +99,23 @@ def test_without_keep_progress_the_reply_overwrites_the_overlap() -> None:
     np.testing.assert_array_equal(f.local_value(np.full(4, -1.5, np.float32), glob, 0.0), glob)
     f.adopt(glob, 1)
     assert (f.steps, f.compute_seconds) == (0, 0.0)
+
+
+def test_a_restored_fragment_moves_onto_the_current_global_keeping_its_progress() -> None:
+    f = state(version=2)  # anchor 0 at version 2
+    f.count(tokens=10, seconds=0.5)
+    theta = np.full(4, -1.0, np.float32)  # one step of progress: -1
+    glob = np.full(4, 5.0, np.float32)  # the job moved on to version 6
+    np.testing.assert_array_equal(f.carry_onto(theta, glob, 6), np.full(4, 4.0))
+    assert (f.version, f.steps, f.compute_seconds) == (6, 1, 0.5)  # based on v6 now
+    np.testing.assert_array_equal(f.base, glob)
+    # With an update in flight: that update is the synchronizer's; only later progress stays.
+    g = state(version=2)
+    g.count(tokens=10, seconds=0.5)
+    send = g.begin_send()
+    g.encode(send, np.full(4, -1.0, np.float32))
+    g.count(tokens=10, seconds=0.25)
+    local = g.carry_onto(np.full(4, -1.5, np.float32), glob, 6)
+    np.testing.assert_array_equal(local, np.full(4, 4.5))
+    assert not g.in_flight
+    assert (g.steps, g.compute_seconds) == (1, 0.25)

@@ -535,14 +535,13 @@ class Learner:
             log.warning("checkpoint_ignored", learner=self.s.id, reason=why)
             return False
         current = [(f.version, f.base) for f in self.outer.fragments]
+        flat = dict(loaded.params)
         for p, (f, record) in enumerate(zip(self.outer.fragments, loaded.fragments, strict=True)):
             ckpt.restore_fragment(p, f, record, loaded.arrays)
             version, value = current[p]
-            if version > f.latest_version:  # what the job holds now: known, not adopted
-                f.latest, f.latest_version = value, version
-        self.params = jax.device_put(
-            {k: jnp.asarray(v) for k, v in loaded.params.items()}, self.replicated
-        )
+            theta = f.carry_onto(self.layout.gather(p, flat), value, version)
+            flat.update(self.layout.scatter(p, theta))
+        self.params = jax.device_put({k: jnp.asarray(v) for k, v in flat.items()}, self.replicated)
         structure = jax.tree.structure(self.opt_state)
         self.opt_state = jax.device_put(
             jax.tree.unflatten(structure, [jnp.asarray(x) for x in loaded.opt_leaves]),
