@@ -53,3 +53,17 @@ def test_bad_data_paths_say_what_to_do(tmp_path: Path) -> None:
         load_corpus([tmp_path / "missing"], 0, 1)
     with pytest.raises(DataError, match="--shard"):
         load_corpus([tmp_path], 3, 2)
+
+
+def test_the_ordinal_of_a_pod_name_picks_the_shard() -> None:
+    from learner.settings import LearnerSettings, data_shard
+
+    def pod(name: str) -> LearnerSettings:
+        return LearnerSettings(id=name, shard=4, num_shards=16, ordinal_shard=True)
+
+    assert data_shard(pod("atoll-learner-eu-west-3")) == 7
+    assert data_shard(LearnerSettings(id="x", shard=2)) == 2  # without --ordinal-shard
+    with pytest.raises(ValueError, match="ending in a number"):
+        data_shard(pod("learner"))
+    with pytest.raises(ValueError, match="past --num-shards"):
+        data_shard(pod("l-12"))

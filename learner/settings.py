@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -53,6 +54,11 @@ class LearnerSettings(ModelConfig, AtollSettings):
     steps: int = Field(0, ge=0, description="inner steps to run, then leave; 0: run until stopped")
     shard: int = Field(0, ge=0, description="this learner's data shard index")
     num_shards: int = Field(1, ge=1, description="number of data shards")
+    ordinal_shard: bool = Field(
+        False,
+        description="add the number at the end of --id (a StatefulSet pod's ordinal) to "
+        "--shard, so every learner of a pool reads its own shard",
+    )
     state_dir: Path | None = Field(
         None,
         description="folder keeping this slot's local checkpoint and read position, so a "
@@ -93,3 +99,22 @@ class LearnerSettings(ModelConfig, AtollSettings):
         description="folder for JAX's persistent compilation cache: a restarted learner loads "
         "its compiled step from here instead of compiling again",
     )
+
+
+def data_shard(settings: LearnerSettings) -> int:
+    """The shard this learner reads: --shard, plus its id's ordinal with --ordinal-shard."""
+    if not settings.ordinal_shard:
+        return settings.shard
+    match = re.search(r"(\d+)$", settings.id)
+    if match is None:
+        raise ValueError(
+            f"--ordinal-shard needs an --id ending in a number (a StatefulSet pod name), "
+            f"not {settings.id!r}"
+        )
+    shard = settings.shard + int(match.group(1))
+    if shard >= settings.num_shards:
+        raise ValueError(
+            f"--shard {settings.shard} + ordinal {match.group(1)} is past --num-shards "
+            f"{settings.num_shards}; raise --num-shards or lower the pool's replicas"
+        )
+    return shard

@@ -66,6 +66,7 @@ class Learner:
             LeafSpec(n, tuple(int(d) for d in v.shape), "float32") for n, v in flat.items()
         ]
         self.timeline = Timeline()
+        tm.LEARNER_PARAMETERS.set(sum(s.size for s in self.specs))
         self.tape = Tape(settings.tape, settings.id)
         self._reconnects_seen = 0
         self._provisioned_until = time.monotonic()

@@ -18,6 +18,7 @@ import numpy as np
 
 from learner.data import Batches, eval_batches, load_corpus
 from learner.model import TransformerConfig, init_params, make_loss
+from learner.settings import data_shard
 
 if TYPE_CHECKING:
     from learner.settings import LearnerSettings
@@ -67,12 +68,13 @@ class Named:
 
 def builtin(settings: LearnerSettings) -> Workload:
     cfg = TransformerConfig(settings.layers, settings.width, settings.heads, settings.context)
-    corpus = load_corpus(settings.data, settings.shard, settings.num_shards)
+    shard = data_shard(settings)
+    corpus = load_corpus(settings.data, shard, settings.num_shards)
     batches = Batches(
         corpus.train,
         settings.batch_size,
         settings.context,
-        seed=settings.seed * 100_003 + settings.shard,
+        seed=settings.seed * 100_003 + shard,
     )
     return Workload(
         params=init_params(cfg, settings.seed),

@@ -107,6 +107,11 @@ BADPUT_SECONDS = Counter(
 PROVISIONED_SECONDS = Counter(
     "atoll_provisioned_seconds_total", "Wall seconds this learner slot was provisioned"
 )
+LEARNER_PARAMETERS = Gauge(
+    "atoll_learner_parameters",
+    "Parameters of the model this learner trains (the data-parallel equivalent of its bytes "
+    "is 8 x parameters per step)",
+)
 REJOINS = Counter("atoll_learner_rejoins_total", "Times this learner (re)joined a synchronizer")
 
 for _reason in REJECT_REASONS:

@@ -7,9 +7,12 @@ and progress, not just survival.
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
+from cluster.processes import atoll_command
 from tests.test_up import up
 
 STEPS, H = 1200, 60
@@ -37,6 +40,17 @@ def test_a_killed_learner_rejoins_and_its_later_updates_are_merged(tmp_path: Pat
     assert joins[1]["restored"]  # and from its local checkpoint
     # The job's budget: the others made up the steps the victim lost.
     assert sum(p["steps"] for p in report["per_learner"]) >= 3 * STEPS
+    # The simulator, fed this run's tape, reproduces its goodput.
+    replay = subprocess.run(
+        [*atoll_command("sim"), "--tape", str(tmp_path / "tape.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert replay.returncode == 0, replay.stderr
+    figures = json.loads(replay.stdout)
+    assert figures["interruptions"] == 1
+    assert abs(figures["simulated_goodput"] - report["goodput"]) <= 0.03, figures
 
 
 def test_a_paused_learner_does_not_stop_the_others(tmp_path: Path) -> None:
