@@ -44,6 +44,13 @@ def rebase(theta: np.ndarray, sent: np.ndarray, global_value: np.ndarray) -> np.
     return np.asarray(global_value + (theta - sent), np.float32)
 
 
+def sync_round(step: int, fragment: int, fragments: int, inner_steps: int) -> int:
+    """Which round of a fragment a sync-mode learner contributes to at a due `step`: the
+    number of the fragment's due steps up to it (the round that makes version n is round n)."""
+    offset = fragment_offset(fragment, fragments, inner_steps)
+    return step // inner_steps if offset == 0 else (step - offset) // inner_steps + 1
+
+
 def merge_global(theta: np.ndarray, global_value: np.ndarray, alpha: float) -> np.ndarray:
     """theta <- alpha*theta + (1-alpha)*Theta (alpha=0: overwrite, the paper's default)."""
     if alpha == 0.0:

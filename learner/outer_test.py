@@ -3,7 +3,7 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from learner.outer import FragmentState, due_fragments, fragment_offset, merge_global
+from learner.outer import FragmentState, due_fragments, fragment_offset, merge_global, sync_round
 from services import codec as codecs
 
 
@@ -119,3 +119,16 @@ def test_a_restored_fragment_moves_onto_the_current_global_keeping_its_progress(
     np.testing.assert_array_equal(local, np.full(4, 4.5))
     assert not g.in_flight
     assert (g.steps, g.compute_seconds) == (1, 0.25)
+
+
+@pytest.mark.parametrize(("fragments", "inner_steps"), [(1, 10), (4, 40), (3, 10)])
+def test_the_nth_due_step_of_a_fragment_is_its_nth_round(fragments: int, inner_steps: int) -> None:
+    for p in range(fragments):
+        due = [
+            s
+            for s in range(1, 6 * inner_steps + 1)
+            if p in due_fragments(s, fragments, inner_steps)
+        ]
+        assert [sync_round(s, p, fragments, inner_steps) for s in due] == list(
+            range(1, len(due) + 1)
+        )

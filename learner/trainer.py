@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from learner import checkpoint as ckpt
 from learner.client import GlobalFragment, SynchronizerClient
-from learner.outer import OuterState, due_fragments
+from learner.outer import OuterState, due_fragments, sync_round
 from learner.settings import LearnerSettings
 from learner.workload import Named, Workload
 from services import codec as codecs
@@ -252,7 +252,13 @@ class Learner:
         self._apply_arrivals()
         self._drain_acks()
         for p in due_fragments(self.step, self.P, self.H):
-            self.outer.fragments[p].due = True
+            f = self.outer.fragments[p]
+            if self.mode == "sync" and f.version >= sync_round(self.step, p, self.P, self.H):
+                # An earlier incarnation of this slot already sent this round's update (it
+                # was restored to a step before that send): sending again would wait for a
+                # round the others reach only a full cycle later, while they wait for it.
+                continue
+            f.due = True
         for p, f in enumerate(self.outer.fragments):
             if f.due and not f.in_flight and f.steps:
                 self._send(p)
