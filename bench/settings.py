@@ -78,7 +78,9 @@ class GoodputBench(_Model, _Output):
     fragments: int = Field(4, ge=1, description="P")
     codec: str = Field("int8", description="codec of outer gradients")
     chaos: str = Field(
-        "learner-kill:mtbf=30s,down=5s", description="the fault SPEC both faulty runs get"
+        "learner-kill:mtbf=20s,down=15s",
+        description="the fault SPEC both faulty runs get (a learner takes 15 s to come back: "
+        "on this scale, like a node replaced in minutes at a sync interval of minutes)",
     )
     seed: int = Field(1, description="seed of the fault schedule, the model and the data")
 
