@@ -21,7 +21,9 @@ import grpc
 import numpy as np
 import structlog
 
+from services import codec as codecs
 from services import telemetry as tm
+from services.downlink import apply_delta
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.grpcopts import backoff_delays, channel_options
 from services.layout import LeafSpec
@@ -94,6 +96,9 @@ class SynchronizerClient:
         self.job_status: session_pb2.JobStatus | None = None  # newest, when the job has a budget
         self.fragments: queue.Queue[GlobalFragment] = queue.Queue()
         self.known_versions: dict[int, int] = {}
+        # The newest global value held per fragment, exactly as the synchronizer holds it:
+        # deltas apply onto it (services.downlink).
+        self._canonical: dict[int, tuple[int, np.ndarray]] = {}
         self.step = 0
         self._seq = itertools.count(1)
         self._lock = threading.Condition()
@@ -265,6 +270,7 @@ class SynchronizerClient:
             self.known_versions[g.fragment] = max(
                 self.known_versions.get(g.fragment, -1), g.version
             )
+            self._hold(g)
         return out
 
     # --- the session thread -------------------------------------------------------------
@@ -357,6 +363,7 @@ class SynchronizerClient:
                 elif kind == "fragment":
                     got = self._assemble(assembler, message.fragment)
                     if got is not None:
+                        self._hold(got)
                         self._deliver(got)
                 elif kind == "status":
                     self.job_status = message.status
@@ -425,11 +432,29 @@ class SynchronizerClient:
     def _assemble(
         self, assembler: ChunkAssembler, chunk: fragment_pb2.GlobalFragmentChunk
     ) -> GlobalFragment | None:
+        """A whole global value from its chunks: sent whole, or rebuilt from a delta onto the
+        value held (a delta that does not follow it brings a whole copy instead)."""
         payload = assembler.feed(chunk.header, chunk.chunk_index, chunk.data)
         if payload is None:
             return None
-        values = np.frombuffer(payload, "<f4").copy()
-        return GlobalFragment(chunk.header.fragment, chunk.version, values)
+        p = chunk.header.fragment
+        if not chunk.delta:
+            return GlobalFragment(p, chunk.version, np.frombuffer(payload, "<f4").copy())
+        held = self._canonical.get(p)
+        if held is not None and held[0] >= chunk.version:
+            return None  # already held (a whole copy overtook this delta)
+        if held is None or held[0] != chunk.base_version:
+            log.info("delta_gap", fragment=p, held=held and held[0], base=chunk.base_version)
+            fetched = self.fetch_state([p])
+            return fetched[0] if fetched else None
+        codec = codecs.by_wire(chunk.header.codec)
+        values = apply_delta(held[1], payload, codec, chunk.header.block_size)
+        return GlobalFragment(p, chunk.version, values)
+
+    def _hold(self, got: GlobalFragment) -> None:
+        held = self._canonical.get(got.fragment)
+        if held is None or got.version > held[0]:
+            self._canonical[got.fragment] = (got.version, got.values)
 
     def _deliver(self, got: GlobalFragment) -> None:
         if got.version <= self.known_versions.get(got.fragment, -1):

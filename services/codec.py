@@ -102,6 +102,96 @@ def _decode_int8(payload: bytes, n: int, block_size: int) -> np.ndarray:
     return decoded
 
 
+def _absmax_blocks(x: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """x padded into blocks, and each block's absmax (float32)."""
+    _check_block_size(block_size)
+    n = x.size
+    padded = np.zeros(_blocks(n, block_size) * block_size, np.float32)
+    padded[:n] = x
+    blocks = padded.reshape(-1, block_size)
+    return blocks, np.abs(blocks).max(axis=1).astype(np.float32)
+
+
+def _pack_nibbles(codes: np.ndarray) -> bytes:
+    """4-bit codes (0..15), two per byte, the first in the low nibble."""
+    if codes.size % 2:
+        codes = np.append(codes, 0)
+    pairs = codes.astype(np.uint8).reshape(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).astype(np.uint8).tobytes()
+
+
+def _unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
+    codes = np.empty(packed.size * 2, np.uint8)
+    codes[0::2] = packed & 0x0F
+    codes[1::2] = packed >> 4
+    return codes[:n]
+
+
+def _nibble_payload_len(n: int, block_size: int) -> int:
+    return 4 * _blocks(n, block_size) + (n + 1) // 2
+
+
+def _encode_int4(x: np.ndarray, block_size: int) -> bytes:
+    """Blockwise uniform 4-bit: q = round(x / (absmax / 7)) in -7..7, stored as q + 8."""
+    blocks, absmax = _absmax_blocks(np.asarray(x, np.float32), block_size)
+    scales = absmax / 7.0
+    safe = np.where(scales > 0, scales, 1.0)[:, None]
+    q = np.clip(np.rint(blocks / safe), -7, 7).astype(np.int8).ravel()[: x.size]
+    return scales.astype("<f4").tobytes() + _pack_nibbles((q + 8).astype(np.uint8))
+
+
+def _decode_int4(payload: bytes, n: int, block_size: int) -> np.ndarray:
+    _check_nibbles(payload, n, block_size, "int4")
+    nb = _blocks(n, block_size)
+    scales = np.frombuffer(payload, "<f4", count=nb)
+    codes = _unpack_nibbles(np.frombuffer(payload, np.uint8, offset=4 * nb), n)
+    out = np.zeros(nb * block_size, np.float32)
+    out[:n] = codes.astype(np.float32) - 8.0
+    decoded: np.ndarray = (out.reshape(nb, block_size) * scales[:, None]).ravel()[:n]
+    return decoded
+
+
+E3M0_MIN_EXP = -6  # magnitudes absmax * 2^e for e in -6..0, and zero
+
+
+def _encode_e3m0(x: np.ndarray, block_size: int) -> bytes:
+    """Sign and a 3-bit exponent per value (Streaming DiLoCo's E3M0): |x| is rounded in the
+    log domain to absmax * 2^e, e in -6..0, or to zero below half the smallest step.
+    Code: bit 3 the sign, bits 0-2 the exponent e + 7 (0: zero)."""
+    blocks, absmax = _absmax_blocks(np.asarray(x, np.float32), block_size)
+    safe = np.where(absmax > 0, absmax, 1.0)[:, None]
+    ratio = np.abs(blocks) / safe
+    with np.errstate(divide="ignore"):
+        e = np.rint(np.log2(np.maximum(ratio, 1e-30)))
+    e = np.clip(e, E3M0_MIN_EXP, 0)
+    zero = ratio < 2.0 ** (E3M0_MIN_EXP - 1)
+    code = np.where(zero, 0, e - E3M0_MIN_EXP + 1).astype(np.uint8)
+    code |= np.where(blocks < 0, 8, 0).astype(np.uint8)
+    return absmax.astype("<f4").tobytes() + _pack_nibbles(code.ravel()[: x.size])
+
+
+def _decode_e3m0(payload: bytes, n: int, block_size: int) -> np.ndarray:
+    _check_nibbles(payload, n, block_size, "e3m0")
+    nb = _blocks(n, block_size)
+    absmax = np.frombuffer(payload, "<f4", count=nb)
+    codes = _unpack_nibbles(np.frombuffer(payload, np.uint8, offset=4 * nb), n)
+    exp_code = (codes & 7).astype(np.float32)
+    magnitude = np.where(exp_code > 0, np.exp2(exp_code + (E3M0_MIN_EXP - 1)), 0.0)
+    signed = np.where(codes & 8, -magnitude, magnitude).astype(np.float32)
+    out = np.zeros(nb * block_size, np.float32)
+    out[:n] = signed
+    decoded: np.ndarray = (out.reshape(nb, block_size) * absmax[:, None]).ravel()[:n]
+    return decoded
+
+
+def _check_nibbles(payload: bytes, n: int, block_size: int, what: str) -> None:
+    _check_block_size(block_size)
+    _expect_len(payload, _nibble_payload_len(n, block_size), what)
+    scales = _finite(np.frombuffer(payload, "<f4", count=_blocks(n, block_size)))
+    if (scales < 0).any():
+        raise CodecError(f"{what} payload has a negative block scale; the payload is corrupt")
+
+
 def _check_float(itemsize: int, dtype: object, what: str) -> Callable[[bytes, int, int], None]:
     def check(payload: bytes, n: int, _: int) -> None:
         _expect_len(payload, itemsize * n, what)
@@ -148,9 +238,26 @@ REGISTRY: dict[str, Codec] = {
             _check_float(2, ml_dtypes.bfloat16, "bf16"),
         ),
         Codec("int8", fragment_pb2.CODEC_INT8, _encode_int8, _decode_int8, _check_int8),
+        Codec(
+            "int4-uniform",
+            fragment_pb2.CODEC_INT4,
+            _encode_int4,
+            _decode_int4,
+            lambda p, n, b: _check_nibbles(p, n, b, "int4"),
+        ),
+        Codec(
+            "e3m0",
+            fragment_pb2.CODEC_E3M0,
+            _encode_e3m0,
+            _decode_e3m0,
+            lambda p, n, b: _check_nibbles(p, n, b, "e3m0"),
+        ),
     )
 }
 _BY_WIRE = {c.wire: c for c in REGISTRY.values()}
+# `--codec int4`: the 4-bit codec that measured better (docs/BENCHMARKS.md, 4-bit codecs).
+INT4_DEFAULT = "int4-uniform"
+REGISTRY["int4"] = REGISTRY[INT4_DEFAULT]
 
 
 def by_name(name: str) -> Codec:

@@ -99,3 +99,57 @@ def test_error_feedback_keeps_the_sum_within_one_quantum() -> None:
     np.testing.assert_allclose(true - sent, ef.residual, atol=1e-5)
     last_scale = np.abs(ef.residual).max()
     assert last_scale <= 0.05 / 127 * 2
+
+
+@pytest.mark.parametrize("n", [1, 7, 256, 1001])
+@pytest.mark.parametrize("block", [1, 64, 256])
+def test_uniform_int4_error_within_half_a_quantum_per_block(n: int, block: int) -> None:
+    x = np.random.default_rng(n).standard_t(3, size=n).astype(np.float32)
+    codec = codecs.by_name("int4-uniform")
+    payload = codec.encode(x, block)
+    assert len(payload) == 4 * -(-n // block) + (n + 1) // 2
+    codec.check(payload, n, block)
+    y = codec.decode(payload, n, block)
+    for start in range(0, n, block):
+        xb, yb = x[start : start + block], y[start : start + block]
+        quantum = np.abs(xb).max() / 7.0
+        assert np.abs(yb - xb).max() <= quantum / 2 + 1e-6
+
+
+@pytest.mark.parametrize("n", [1, 7, 256, 1001])
+def test_e3m0_rounds_each_magnitude_to_a_power_of_two_of_its_block_max(n: int) -> None:
+    x = np.random.default_rng(n).standard_t(3, size=n).astype(np.float32)
+    codec = codecs.by_name("e3m0")
+    payload = codec.encode(x, 64)
+    codec.check(payload, n, 64)
+    y = codec.decode(payload, n, 64)
+    assert np.all(np.sign(y) * np.sign(x) >= 0)  # never the wrong sign
+    for start in range(0, n, 64):
+        xb, yb = x[start : start + 64], y[start : start + 64]
+        absmax = np.abs(xb).max()
+        big = np.abs(xb) >= absmax * 2.0**-6
+        ratio = np.abs(yb[big]) / np.abs(xb[big])
+        assert np.all(ratio <= 2**0.5 + 1e-6)
+        assert np.all(ratio >= 2**-0.5 - 1e-6)
+        small = np.abs(xb) < absmax * 2.0**-7
+        assert np.all(yb[small] == 0.0)
+        steps = np.log2(np.abs(yb[yb != 0]) / absmax)
+        assert np.allclose(steps, np.rint(steps))  # every value is absmax * 2^e
+
+
+@pytest.mark.parametrize("name", ["int4-uniform", "e3m0"])
+def test_corrupt_four_bit_payloads_are_refused(name: str) -> None:
+    codec = codecs.by_name(name)
+    x = np.linspace(-1, 1, 300, dtype=np.float32)
+    payload = codec.encode(x, 256)
+    with pytest.raises(codecs.CodecError, match="bytes, expected"):
+        codec.check(payload[:-1], 300, 256)
+    negative = np.frombuffer(payload, np.uint8).copy()
+    negative[3] |= 0x80  # the first block scale's sign bit
+    with pytest.raises(codecs.CodecError, match="negative block scale"):
+        codec.check(negative.tobytes(), 300, 256)
+
+
+def test_int4_is_the_measured_default_and_has_a_wire_number() -> None:
+    assert codecs.by_name("int4") is codecs.by_name(codecs.INT4_DEFAULT)
+    assert codecs.by_wire(codecs.by_name("e3m0").wire).name == "e3m0"

@@ -21,7 +21,7 @@ from services.codec import DEFAULT_BLOCK_SIZE, REGISTRY
 from services.wire import DEFAULT_MAX_CHUNK_BYTES
 
 Mode = Literal["decoupled", "sync"]
-CodecName = Literal["fp32", "bf16", "int8"]
+CodecName = Literal["fp32", "bf16", "int8", "int4", "int4-uniform", "e3m0"]
 assert set(CodecName.__args__) == set(REGISTRY)  # type: ignore[attr-defined]
 
 
@@ -43,7 +43,12 @@ class JobConfig(BaseModel):
     overlap_steps: int = Field(
         5, ge=0, description="tau: steps a fragment may be in flight (sets the grace window)"
     )
-    codec: CodecName = Field("int8", description="encoding of outer gradients on the wire")
+    codec: CodecName = Field(
+        "int8",
+        description="encoding of outer gradients on the wire: fp32, bf16, int8 (per-block "
+        "absmax), int4 (the better 4-bit codec as measured: int4-uniform), e3m0 (sign and "
+        "3-bit exponent)",
+    )
     block_size: int = Field(
         DEFAULT_BLOCK_SIZE, ge=1, le=1 << 20, description="values per scale block (int8)"
     )
@@ -85,6 +90,12 @@ class JobConfig(BaseModel):
     )
     max_chunk_bytes: int = Field(
         DEFAULT_MAX_CHUNK_BYTES, ge=1024, le=1 << 22, description="payload chunk size on the wire"
+    )
+    downlink_codec: CodecName = Field(
+        "int8",
+        description="encoding of the new global values sent to learners, as deltas every "
+        "learner applies exactly (server-side error feedback keeps what encoding loses); "
+        "fp32 sends them nearly lossless",
     )
     job_steps: int = Field(
         0,

@@ -17,6 +17,7 @@ import structlog
 from services import codec as codecs
 from services import telemetry as tm
 from services.config import JobConfig
+from services.downlink import encode_delta
 from services.tape import Tape
 from synchronizer.merge import Contribution, OuterOptimizer, merge_contributions
 from synchronizer.rounds import RoundPolicy, decide
@@ -50,6 +51,8 @@ class Merger:
             fixed_grace_s=config.grace_seconds,
         )
         self.optimizer = OuterOptimizer(config.outer_lr, config.outer_momentum)
+        self._downlink = codecs.by_name(config.downlink_codec)
+        self._n_opt: dict[int, int] = {}
         self._timers: dict[int, asyncio.Task[None]] = {}
         self._busy: set[int] = set()
 
@@ -168,7 +171,13 @@ class Merger:
                 )
             )
         outer_gradient, weights, scale = merge_contributions(contributions, live_learners)
-        new_theta, new_state = self.optimizer.step(theta, opt_state, outer_gradient)
+        # The stored state is the optimizer's leaves, then the downlink residual.
+        n_opt = self._optimizer_leaves(theta)
+        residual = opt_state[n_opt] if len(opt_state) > n_opt else None
+        target, new_state = self.optimizer.step(theta, opt_state[:n_opt], outer_gradient)
+        downlink, new_theta, residual = encode_delta(
+            theta, target, residual, self._downlink, self._cfg.block_size
+        )
         fragments = max(1, self._fragments())
         useful_seconds = sum(c.compute_seconds for c in contributions) / fragments
         staleness = [version - c.base_version for c in contributions]
@@ -180,7 +189,8 @@ class Merger:
             token=token,
             expected_version=version,
             theta=new_theta,
-            opt_state=new_state,
+            opt_state=[*new_state, residual],
+            delta=downlink,
             uids=[c.uid for c in contributions],
             useful_seconds=useful_seconds,
             tokens_merged=sum(c.c_tokens for c in contributions) / fragments,
@@ -200,6 +210,12 @@ class Merger:
                 "checksum": codecs.checksum(np.asarray(new_theta, "<f4").tobytes()),
             },
         )
+
+    def _optimizer_leaves(self, theta: np.ndarray) -> int:
+        """How many of a fragment's stored state arrays are the outer optimizer's."""
+        if theta.size not in self._n_opt:
+            self._n_opt[theta.size] = len(self.optimizer.init(theta))
+        return self._n_opt[theta.size]
 
     def close(self) -> None:
         for timer in self._timers.values():

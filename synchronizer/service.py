@@ -40,6 +40,7 @@ log = structlog.get_logger("atoll.synchronizer")
 SERVICE_NAME = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
 
 OUTBOX_LIMIT = 4096  # messages queued for one learner before it counts as too slow
+MAX_DELTA_CHAIN = 8  # deltas sent to catch a learner up before a whole value is cheaper
 
 
 def spec_to_json(specs: list[LeafSpec]) -> str:
@@ -535,19 +536,56 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
                 await asyncio.sleep(0.5)
 
     async def _push(self, fragment: int) -> None:
+        """Bring every learner this replica serves to the fragment's newest version: the
+        encoded deltas since the version it was last sent, or, for a learner new to this
+        replica or further behind than the deltas kept, the whole value."""
         if self.layout is None:
             await self.load_known_spec()
         if not self.connections or not await self.store.is_initialized():
             return
-        chunks = await self.fragment_chunks(fragment)
-        version = chunks[0].version
+        full = await self.fragment_chunks(fragment)
+        version = full[0].version
         tm.FRAGMENT_VERSION.labels(fragment=str(fragment)).set(version)
+        deltas: dict[int, list[fragment_pb2.GlobalFragmentChunk] | None] = {}
         for conn in list(self.connections.values()):
-            if conn.sent_versions.get(fragment, -1) >= version:
+            last = conn.sent_versions.get(fragment, -1)
+            if last >= version:
                 continue
+            chunks: list[fragment_pb2.GlobalFragmentChunk] = []
+            if last >= 0 and version - last <= MAX_DELTA_CHAIN:
+                for v in range(last + 1, version + 1):
+                    if v not in deltas:
+                        deltas[v] = await self._delta_chunks(fragment, v)
+                    step = deltas[v]
+                    if step is None:  # no longer kept: the whole value instead
+                        chunks = []
+                        break
+                    chunks += step
             conn.sent_versions[fragment] = version
-            for chunk in chunks:
+            for chunk in chunks or full:
                 conn.send(session_pb2.SynchronizerMessage(fragment=chunk))
+
+    async def _delta_chunks(
+        self, fragment: int, version: int
+    ) -> list[fragment_pb2.GlobalFragmentChunk] | None:
+        payload = await self.store.delta(fragment, version)
+        if payload is None or self.layout is None:
+            return None
+        n = self.layout.fragments[fragment].num_elements
+        size = self.settings.max_chunk_bytes
+        codec = codecs.by_name(self.settings.downlink_codec)
+        header = make_header(fragment, codec.wire, self.settings.block_size, n, payload, size)
+        return [
+            fragment_pb2.GlobalFragmentChunk(
+                header=header,
+                version=version,
+                chunk_index=i,
+                data=d,
+                delta=True,
+                base_version=version - 1,
+            )
+            for i, d in enumerate(split(payload, size))
+        ]
 
     async def flush_stats(self) -> None:
         """Add the bytes counted since the last flush to the job's totals in the store."""

@@ -21,6 +21,7 @@ from synchronizer.rounds import RoundState
 
 SUPPORTED_SCHEMES = ("redis", "rediss", "unix")
 STAGE_TTL_S = 86_400  # payloads and staged values that no script adopts expire
+DELTA_TTL_S = 300  # a learner further behind than this gets a full copy
 
 
 class StoreError(RuntimeError):
@@ -63,6 +64,7 @@ class Commit:
     stale_folded: int
     t_sync_s: float
     log_entry: dict[str, Any]
+    delta: bytes = b""  # the encoded delta from expected_version to the new version
 
 
 class Store(Protocol):
@@ -105,6 +107,7 @@ class Store(Protocol):
     async def renew_merge_lease(self, fragment: int, token: int, ttl_s: float) -> bool: ...
     async def pending(self, fragment: int) -> list[PendingUpdate]: ...
     async def commit(self, commit: Commit) -> tuple[str, int]: ...
+    async def delta(self, fragment: int, version: int) -> bytes | None: ...
     async def add_stats(self, **increments: float) -> None: ...
     async def subscribe_commits(self) -> Any: ...
 
@@ -357,6 +360,7 @@ class RedisStore:
         p = commit.fragment
         stage_theta = self.key("stage", p, commit.token, "theta")
         stage_opt = self.key("stage", p, commit.token, "opt")
+        stage_delta = self.key("stage", p, commit.token, "delta")
         keys = [
             self.key("frag", p),
             self.key("pmeta", p),
@@ -369,6 +373,8 @@ class RedisStore:
             self.key("opt", p),
             stage_theta,
             stage_opt,
+            stage_delta,
+            self.key("delta", p, commit.expected_version + 1),
             *(self.key("payload", p, uid) for uid in commit.uids),
         ]
         args: list[Any] = [
@@ -383,13 +389,20 @@ class RedisStore:
             json.dumps(commit.log_entry),
             self.commits_channel(),
             p,
+            DELTA_TTL_S,
         ]
         async with self._r.pipeline(transaction=False) as pipe:
             pipe.set(stage_theta, _pack([commit.theta]), ex=STAGE_TTL_S)
             pipe.set(stage_opt, _pack(commit.opt_state), ex=STAGE_TTL_S)
+            pipe.set(stage_delta, commit.delta, ex=STAGE_TTL_S)
             await self._scripts["commit"](keys=keys, args=args, client=pipe)
             *_, (status, version) = await pipe.execute()
         return _b(status).decode(), int(version)
+
+    async def delta(self, fragment: int, version: int) -> bytes | None:
+        """The encoded delta that made `version` of a fragment, while it is kept."""
+        value = await self._r.get(self.key("delta", fragment, version))
+        return None if value is None else _b(value)
 
     async def add_stats(self, **increments: float) -> None:
         async with self._r.pipeline(transaction=False) as pipe:

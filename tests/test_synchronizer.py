@@ -160,7 +160,7 @@ BAD_INPUTS = {
     ),
     "bad_codec": (
         lambda s: support.chunks_for(
-            0, _int8(), codec=fragment_pb2.CODEC_INT4, block_size=256, num_elements=N0, seq=s
+            0, _int8(), codec=fragment_pb2.CODEC_UNSPECIFIED, block_size=256, num_elements=N0, seq=s
         ),
         "not supported",
     ),
@@ -301,3 +301,46 @@ def test_redis_restarted_with_aof_loses_no_committed_version(tmp_path: Path) -> 
         finally:
             c.close()
             sync.stop()
+
+
+@pytest.mark.parametrize("downlink", ["int8", "int4"])
+def test_learners_rebuild_every_global_version_bit_for_bit_from_compressed_deltas(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer, downlink: str
+) -> None:
+    sync = spawn_synchronizer(
+        "--fragments", "2", "--grace-seconds", "0", "--downlink-codec", downlink
+    )
+    c0, c1 = (support.client([sync.address], f"l{i}") for i in range(2))
+    r = redis.Redis(port=redis_server.port)
+    rounds = 25
+    try:
+        support.initialize(c0, 2)
+        for v in range(rounds):  # each update is its own round (quorum 1)
+            for i, c in enumerate((c0, c1)):
+                c.wait_ack(
+                    support.send_delta(c, v % 2, 2, support.version(r, v % 2), seed=v * 2 + i), 10
+                )
+            wait_until(lambda v=v: support.version(r, v % 2) >= v // 2 + 1, what=f"round {v}")
+        # Every update merged: the job's versions no longer move.
+        wait_until(
+            lambda: all(r.hlen(support.key("pmeta", p)) == 0 for p in range(2)),
+            what="every update to be merged",
+        )
+        final = {p: support.version(r, p) for p in range(2)}
+        for c in (c0, c1):
+            wait_until(
+                lambda c=c: all(c._canonical.get(p, (-1,))[0] == final[p] for p in range(2)),
+                what="every version to reach the learner",
+            )
+            for p in range(2):
+                held = c._canonical[p][1]
+                theta = np.frombuffer(r.get(support.key("theta", p)), "<f4")  # type: ignore[arg-type]
+                assert held.tobytes() == theta.tobytes(), (p, downlink, np.abs(held - theta).max())
+        # What came down were deltas: far fewer bytes than a float32 copy per version.
+        full = sum(support.layout(2).fragments[p].num_elements * 4 for p in range(2))
+        versions = sum(final.values())
+        assert versions >= rounds
+        assert c1.stats.bytes_down < 0.5 * full * versions
+    finally:
+        for c in (c0, c1):
+            c.close()

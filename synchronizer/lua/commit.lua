@@ -1,12 +1,14 @@
 -- Commit one merged round: only under the caller's merge lease (fencing token) and only
 -- onto the version the merge was computed from, so each round commits exactly once. The new
 -- value and optimizer state were staged under their own keys; they are renamed into place.
+-- The encoded delta to the new version is kept for a while, for learners that missed it.
 -- KEYS: frag, pmeta, contrib, round, lease, log, stats, theta, opt, stage_theta, stage_opt,
---       payload_1..payload_n
+--       stage_delta, delta, payload_1..payload_n
 -- ARGV: token, expected_version, n, uid_1..uid_n,
---       useful_seconds, tokens_merged, stale_folded, t_sync_sample, log_entry, channel, fragment
+--       useful_seconds, tokens_merged, stale_folded, t_sync_sample, log_entry, channel, fragment,
+--       delta_ttl_s
 local function abort(status, v)
-  redis.call('DEL', KEYS[10], KEYS[11])
+  redis.call('DEL', KEYS[10], KEYS[11], KEYS[12])
   return {status, v}
 end
 if redis.call('GET', KEYS[5]) ~= ARGV[1] then return abort('lost_lease', 0) end
@@ -17,11 +19,13 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 v = v + 1
 redis.call('RENAME', KEYS[10], KEYS[8])
 redis.call('RENAME', KEYS[11], KEYS[9])
+redis.call('RENAME', KEYS[12], KEYS[13])
+redis.call('EXPIRE', KEYS[13], tonumber(ARGV[3 + tonumber(ARGV[3]) + 8]))
 redis.call('HSET', KEYS[1], 'version', v, 'committed_ms', now)
 local n = tonumber(ARGV[3])
 for i = 1, n do
   redis.call('HDEL', KEYS[2], ARGV[3 + i])
-  redis.call('DEL', KEYS[11 + i])
+  redis.call('DEL', KEYS[13 + i])
 end
 -- Updates not taken into this round stay pending: they are folded into the next one.
 redis.call('DEL', KEYS[3])

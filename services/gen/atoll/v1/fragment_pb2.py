@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x61toll/v1/fragment.proto\x12\x08\x61toll.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xa7\x01\n\rPayloadHeader\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x1e\n\x05\x63odec\x18\x02 \x01(\x0e\x32\x0f.atoll.v1.Codec\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_elements\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x06\x12\x13\n\x0b\x63hunk_count\x18\x06 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\"r\n\x13GlobalFragmentChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.atoll.v1.PayloadHeader\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c*^\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x0e\n\nCODEC_INT8\x10\x03\x12\x0e\n\nCODEC_INT4\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x61toll/v1/fragment.proto\x12\x08\x61toll.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xa7\x01\n\rPayloadHeader\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x1e\n\x05\x63odec\x18\x02 \x01(\x0e\x32\x0f.atoll.v1.Codec\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_elements\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x06\x12\x13\n\x0b\x63hunk_count\x18\x06 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\"\x97\x01\n\x13GlobalFragmentChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.atoll.v1.PayloadHeader\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x04*n\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x0e\n\nCODEC_INT8\x10\x03\x12\x0e\n\nCODEC_INT4\x10\x04\x12\x0e\n\nCODEC_E3M0\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'atoll.v1.fragment_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=381
-  _globals['_CODEC']._serialized_end=475
+  _globals['_CODEC']._serialized_start=419
+  _globals['_CODEC']._serialized_end=529
   _globals['_TENSORSPEC']._serialized_start=37
   _globals['_TENSORSPEC']._serialized_end=93
   _globals['_PAYLOADHEADER']._serialized_start=96
   _globals['_PAYLOADHEADER']._serialized_end=263
-  _globals['_GLOBALFRAGMENTCHUNK']._serialized_start=265
-  _globals['_GLOBALFRAGMENTCHUNK']._serialized_end=379
+  _globals['_GLOBALFRAGMENTCHUNK']._serialized_start=266
+  _globals['_GLOBALFRAGMENTCHUNK']._serialized_end=417
 # @@protoc_insertion_point(module_scope)

@@ -33,7 +33,9 @@ class _CodecEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Codec.ValueType
     CODEC_INT8: _Codec.ValueType  # 3
     """per-block absmax scale (float32) + int8 values"""
     CODEC_INT4: _Codec.ValueType  # 4
-    """per-block absmax scale (float32) + packed 4-bit values"""
+    """per-block absmax scale (float32) + packed 4-bit values in -7..7"""
+    CODEC_E3M0: _Codec.ValueType  # 5
+    """per-block absmax scale (float32) + packed 4-bit sign and 3-bit exponent"""
 
 class Codec(_Codec, metaclass=_CodecEnumTypeWrapper):
     """How a payload's float32 values are encoded on the wire."""
@@ -46,7 +48,9 @@ CODEC_BF16: Codec.ValueType  # 2
 CODEC_INT8: Codec.ValueType  # 3
 """per-block absmax scale (float32) + int8 values"""
 CODEC_INT4: Codec.ValueType  # 4
-"""per-block absmax scale (float32) + packed 4-bit values"""
+"""per-block absmax scale (float32) + packed 4-bit values in -7..7"""
+CODEC_E3M0: Codec.ValueType  # 5
+"""per-block absmax scale (float32) + packed 4-bit sign and 3-bit exponent"""
 Global___Codec: _TypeAlias = Codec  # noqa: Y015
 
 @_typing.final
@@ -126,7 +130,10 @@ Global___PayloadHeader: _TypeAlias = PayloadHeader  # noqa: Y015
 
 @_typing.final
 class GlobalFragmentChunk(_message.Message):
-    """A new global value of one fragment, sent by the synchronizer (chunked)."""
+    """A new global value of one fragment, sent by the synchronizer (chunked): either the whole
+    value (float32), or, with `delta`, an encoded delta from version `base_version`; the new
+    value is base + decode(delta) in float32, bit for bit what the synchronizer holds.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -134,9 +141,13 @@ class GlobalFragmentChunk(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     CHUNK_INDEX_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    BASE_VERSION_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     chunk_index: _builtins.int
     data: _builtins.bytes
+    delta: _builtins.bool
+    base_version: _builtins.int
     @_builtins.property
     def header(self) -> Global___PayloadHeader: ...
     def __init__(
@@ -146,10 +157,12 @@ class GlobalFragmentChunk(_message.Message):
         version: _builtins.int = ...,
         chunk_index: _builtins.int = ...,
         data: _builtins.bytes = ...,
+        delta: _builtins.bool = ...,
+        base_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_index", b"chunk_index", "data", b"data", "header", b"header", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "chunk_index", b"chunk_index", "data", b"data", "delta", b"delta", "header", b"header", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
