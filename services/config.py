@@ -85,6 +85,18 @@ class JobConfig(BaseModel):
         description="scaled: a round with n of M live learners takes n/M of an outer step "
         "(missing learners count as zero progress); full: every round takes a full step",
     )
+    merge: Literal["mean", "radial"] = Field(
+        "mean",
+        description="how a round combines outer gradients: mean (token-weighted mean) or "
+        "radial (per tensor: the weighted mean of their norms along the direction of the "
+        "weighted mean of their unit vectors)",
+    )
+    staleness_decay: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="an update s versions behind weighs decay^s in its round; 1: no decay",
+    )
     max_staleness: int = Field(
         8, ge=0, description="updates more versions behind than this are refused"
     )

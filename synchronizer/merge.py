@@ -43,6 +43,40 @@ def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.
     return out.astype(np.float32)
 
 
+def radial_directional_mean(
+    deltas: Sequence[np.ndarray], weights: Sequence[float], segments: Sequence[int]
+) -> np.ndarray:
+    """Per tensor (a segment of the fragment): the weighted mean of the learners' norms times
+    the direction of the weighted mean of their unit vectors. Learners' outer gradients are
+    nearly orthogonal, so a plain mean shrinks them by about 1/sqrt(M); this keeps their
+    typical length and averages only their directions."""
+    total = float(sum(weights))
+    if not deltas or total <= 0.0:
+        raise ValueError("a merge needs at least one contribution with positive weight")
+    out = np.zeros_like(deltas[0], dtype=np.float32)
+    start = 0
+    for size in segments or [deltas[0].size]:
+        end = start + size
+        norm = 0.0
+        direction = np.zeros(size, np.float64)
+        for delta, weight in zip(deltas, weights, strict=True):
+            part = delta[start:end].astype(np.float64)
+            length = float(np.linalg.norm(part))
+            norm += weight / total * length
+            if length > 0.0:
+                direction += weight / total * part / length
+        length = float(np.linalg.norm(direction))
+        if length > 0.0:
+            out[start:end] = (norm * direction / length).astype(np.float32)
+        start = end
+    return out
+
+
+def staleness_weight(staleness: int, decay: float) -> float:
+    """decay^staleness: an update `staleness` versions behind counts that much less."""
+    return float(decay) ** max(0, staleness)
+
+
 def partial_round_scale(contributors: int, live_learners: int) -> float:
     """How much of a full outer step a round takes: contributors / live learners (at most 1).
 
@@ -57,14 +91,30 @@ def partial_round_scale(contributors: int, live_learners: int) -> float:
 
 
 def merge_contributions(
-    contributions: Sequence[Contribution], live_learners: int = 0
+    contributions: Sequence[Contribution],
+    live_learners: int = 0,
+    *,
+    method: str = "mean",
+    segments: Sequence[int] = (),
+    version: int | None = None,
+    staleness_decay: float = 1.0,
 ) -> tuple[np.ndarray, list[float], float]:
-    """The token-weighted mean outer gradient, each contribution's weight, and the partial
-    round scale applied (1.0 when `live_learners` is 0: no scaling)."""
+    """The token-weighted outer gradient (`mean`, or `radial`: radial-directional per
+    tensor of `segments`), each contribution's weight (times decay^staleness against
+    `version`), and the partial round scale applied (1.0 when `live_learners` is 0)."""
     weights = [token_weight(c.c_tokens, c.c_steps) for c in contributions]
     if sum(weights) <= 0.0:  # every learner reported zero tokens: fall back to a plain mean
         weights = [1.0] * len(contributions)
-    mean = weighted_mean([c.delta for c in contributions], weights)
+    if version is not None and staleness_decay != 1.0:
+        weights = [
+            w * staleness_weight(version - c.base_version, staleness_decay)
+            for w, c in zip(weights, contributions, strict=True)
+        ]
+    deltas = [c.delta for c in contributions]
+    if method == "radial":
+        mean = radial_directional_mean(deltas, weights, segments)
+    else:
+        mean = weighted_mean(deltas, weights)
     learners = len({c.learner for c in contributions})
     scale = partial_round_scale(learners, live_learners) if live_learners else 1.0
     return (mean * np.float32(scale) if scale != 1.0 else mean), weights, scale

@@ -56,3 +56,27 @@ def test_a_partial_round_takes_a_partial_step() -> None:
     )
     assert scale == 1.0
     np.testing.assert_allclose(full, [3.0])
+
+
+def test_radial_directional_mean_keeps_the_typical_length_per_tensor() -> None:
+    # Two orthogonal unit-length updates: the plain mean halves... to 1/sqrt(2) long; radial
+    # keeps length 1 along the mean direction. Second tensor: lengths 2 and 4, same direction.
+    a = Contribution("a", "la", np.array([1, 0, 2, 0], np.float32), 10, 100, 0, 1.0)
+    b = Contribution("b", "lb", np.array([0, 1, 4, 0], np.float32), 10, 100, 0, 1.0)
+    mean, _, _ = merge_contributions([a, b])
+    np.testing.assert_allclose(mean, [0.5, 0.5, 3.0, 0.0])
+    radial, weights, _ = merge_contributions([a, b], method="radial", segments=[2, 2])
+    s = 1 / np.sqrt(2)
+    np.testing.assert_allclose(radial, [s, s, 3.0, 0.0], rtol=1e-6)
+    assert weights == [1000.0, 1000.0]
+    assert np.linalg.norm(radial[:2]) == pytest.approx(1.0)
+
+
+def test_staleness_decay_weighs_late_updates_less() -> None:
+    fresh = Contribution("a", "la", np.array([1.0], np.float32), 10, 100, 4, 1.0)
+    late = Contribution("b", "lb", np.array([0.0], np.float32), 10, 100, 2, 1.0)
+    merged, weights, _ = merge_contributions([fresh, late], version=4, staleness_decay=0.5)
+    assert weights == [1000.0, 250.0]  # two versions behind: a quarter of the weight
+    np.testing.assert_allclose(merged, [0.8])
+    plain, _, _ = merge_contributions([fresh, late], version=4)  # decay 1: no change
+    np.testing.assert_allclose(plain, [0.5])

@@ -37,7 +37,9 @@ class Merger:
         replica: str,
         fragments: Callable[[], int],
         tape: Tape | None = None,
+        segments: Callable[[int], list[int]] = lambda _: [],
     ) -> None:
+        self._segments = segments  # a fragment's tensor sizes, in order (radial merge)
         self._store = store
         self._tape = tape or Tape(None, replica)
         self._cfg = config
@@ -170,7 +172,14 @@ class Merger:
                     compute_seconds=float(meta["compute_seconds"]),
                 )
             )
-        outer_gradient, weights, scale = merge_contributions(contributions, live_learners)
+        outer_gradient, weights, scale = merge_contributions(
+            contributions,
+            live_learners,
+            method=self._cfg.merge,
+            segments=self._segments(fragment),
+            version=version,
+            staleness_decay=self._cfg.staleness_decay,
+        )
         # The stored state is the optimizer's leaves, then the downlink residual.
         n_opt = self._optimizer_leaves(theta)
         residual = opt_state[n_opt] if len(opt_state) > n_opt else None

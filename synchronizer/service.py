@@ -99,11 +99,21 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
         self.spec: list[LeafSpec] = []
         self.tape = Tape(settings.tape, settings.replica_id)
         self.merger = Merger(
-            store, settings, settings.replica_id, self._num_fragments, tape=self.tape
+            store,
+            settings,
+            settings.replica_id,
+            self._num_fragments,
+            tape=self.tape,
+            segments=self._segments,
         )
         self.connections: dict[str, Connection] = {}
         self._initial: dict[str, dict[int, np.ndarray]] = {}
         self._bytes = {"up": 0, "down": 0}
+
+    def _segments(self, fragment: int) -> list[int]:
+        if self.layout is None:
+            return []
+        return [leaf.size for leaf in self.layout.fragments[fragment].leaves]
 
     def _num_fragments(self) -> int:
         return self.layout.num_fragments if self.layout else 0
