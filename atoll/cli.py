@@ -16,6 +16,7 @@ from cluster.settings import UpSettings
 from learner.settings import LearnerSettings
 from services.config import SynchronizerSettings
 from services.lifecycle import watch_parent
+from sim.plan import PlanSettings
 from sim.settings import SimSettings
 
 
@@ -64,6 +65,15 @@ class SimCommand(SimSettings):
         raise SystemExit(run(self))
 
 
+class PlanCommand(PlanSettings):
+    """WAN bandwidth a run needs for a target compute utilization: data-parallel and atoll."""
+
+    def cli_cmd(self) -> None:
+        from sim.plan import run
+
+        raise SystemExit(run(self))
+
+
 class Atoll(BaseSettings):
     """atoll: resilient, low-bandwidth distributed training (Decoupled DiLoCo)."""
 
@@ -85,6 +95,9 @@ class Atoll(BaseSettings):
     )
     sim: CliSubCommand[SimCommand] = Field(
         description="goodput at scale by simulation: --table, --plot, or --tape replay"
+    )
+    plan: CliSubCommand[PlanCommand] = Field(
+        description="WAN bandwidth for a target utilization, data-parallel against atoll"
     )
     bench: CliSubCommand[BenchCommand] = Field(
         description="benchmarks: synchronizer ingest, quality, overlap"

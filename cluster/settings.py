@@ -45,6 +45,11 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         default_factory=list,
         description="per-learner artificial speed (1 = full; 0.25 = 4x slower); default all 1",
     )
+    batch_sizes: list[int] = Field(
+        default_factory=list,
+        description="per-learner batch size (sequences per step), e.g. 16,16,16,4; default "
+        "all --batch-size",
+    )
     live: bool = Field(True, description="show the live view when stdout is a terminal")
     log_every: int = Field(10, ge=1, description="steps between loss points in summaries/plots")
     timeout_s: float = Field(3600.0, gt=0.0, description="stop everything after this long")

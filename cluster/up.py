@@ -203,6 +203,11 @@ class LocalCluster:
         speeds = self.s.speeds or [1.0] * self.s.learners
         if len(speeds) != self.s.learners:
             raise ValueError(f"--speeds gives {len(speeds)} values for {self.s.learners} learners")
+        batches = self.s.batch_sizes or [self.s.batch_size] * self.s.learners
+        if len(batches) != self.s.learners:
+            raise ValueError(
+                f"--batch-sizes gives {len(batches)} values for {self.s.learners} learners"
+            )
         for i in range(self.s.learners):
             name = f"learner-{i}"
             order = self.proxy.addresses[i] if self.proxy else addresses.split(",")
@@ -229,6 +234,8 @@ class LocalCluster:
                 str(self.s.learners),
                 "--speed",
                 str(speeds[i]),
+                "--batch-size",
+                str(batches[i]),
                 "--state-dir",
                 str(self.workdir / "state"),
                 "--report",
