@@ -90,6 +90,44 @@ class GoodputBench(_Model, _Output):
         run(self)
 
 
+class BandwidthBench(_Model, _Output):
+    """Bytes against data-parallel at equal tokens, sweeping the codec and H."""
+
+    learners: int = Field(4, ge=2, le=16, description="M")
+    steps: int = Field(300, ge=10, description="inner steps per learner slot")
+    fragments: int = Field(4, ge=1, description="P")
+    quorum: int = Field(4, ge=1, description="K (rounds of several learners: fewer versions down)")
+    inner_steps: list[int] = Field([30, 100], description="H values")
+    codecs: list[str] = Field(
+        ["fp32", "bf16", "int8", "int4"], description="codecs swept (both directions)"
+    )
+    eval_batches: int = Field(16, ge=1, description="eval batches (x batch size sequences)")
+    seed: int = Field(0, description="initialization and data seed")
+
+    def cli_cmd(self) -> None:
+        from bench.bandwidth import run
+
+        run(self)
+
+
+class HeteroBench(_Model, _Output):
+    """M learners with one 4x slower, against all at full speed, same wall clock."""
+
+    batch_size: int = Field(16, ge=1, description="sequences per step per learner")
+    learners: int = Field(4, ge=2, le=16, description="M")
+    steps: int = Field(200, ge=20, description="inner steps per learner (homogeneous run)")
+    slow_speed: float = Field(0.25, gt=0.0, lt=1.0, description="the slow learner's speed")
+    inner_steps: int = Field(40, ge=1, description="H")
+    fragments: int = Field(4, ge=1, description="P")
+    codec: str = Field("int8", description="codec of outer gradients")
+    seed: int = Field(0, description="initialization and data seed")
+
+    def cli_cmd(self) -> None:
+        from bench.hetero import run
+
+        run(self)
+
+
 class RawSink(BaseModel):
     """Internal: the bare gRPC sink that `bench synchronizer` measures against."""
 
@@ -112,6 +150,12 @@ class BenchCommand(AtollSettings):
     )
     overlap: CliSubCommand[OverlapBench] = Field(
         description="learner steps/s with syncing on against syncing off"
+    )
+    bandwidth: CliSubCommand[BandwidthBench] = Field(
+        description="bytes against data-parallel at equal tokens, sweeping codec and H"
+    )
+    hetero: CliSubCommand[HeteroBench] = Field(
+        description="one learner 4x slower against all at full speed, same wall clock"
     )
     goodput: CliSubCommand[GoodputBench] = Field(
         description="goodput of decoupled against sync mode under the same seeded faults"

@@ -1,0 +1,131 @@
+"""`atoll bench bandwidth`: bytes on the wire against data-parallel, at equal tokens.
+
+One invocation, one model, the same tokens for every run: a data-parallel baseline (the
+exactly equivalent single learner with M times the batch; its bytes are a ring all-reduce of
+fp32 gradients), then decoupled runs sweeping the codec (both directions) and H. For each
+run: bytes up and down per learner-step as the services counted them, the reduction against
+data-parallel, and the eval-loss gap against data-parallel. `best` is the largest reduction
+whose loss gap is at most 2%.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bench.runs import model_flags, up, write
+from services.bandwidth import dp_equivalent_bytes
+
+if TYPE_CHECKING:
+    from bench.settings import BandwidthBench
+
+LOSS_GAP_LIMIT = 0.02
+
+
+def run(settings: BandwidthBench) -> None:
+    m, steps = settings.learners, settings.steps
+    model = [
+        *model_flags(settings),
+        "--eval-batches",
+        str(settings.eval_batches),
+        "--eval-every",
+        "0",
+        "--seed",
+        str(settings.seed),
+    ]
+    with tempfile.TemporaryDirectory(prefix="atoll-bandwidth-") as tmp:
+        root = Path(tmp)
+        dp = up(
+            root / "dp",
+            [
+                *model,
+                "--learners",
+                "1",
+                "--threads",
+                "2",
+                "--steps",
+                str(steps),
+                "--batch-size",
+                str(m * settings.batch_size),
+                "--mode",
+                "sync",
+                "--inner-steps",
+                str(steps),
+                "--fragments",
+                "1",
+                "--codec",
+                "fp32",
+                "--downlink-codec",
+                "fp32",
+                "--outer-lr",
+                "1.0",
+            ],
+        )
+        learner_steps = m * steps
+        dp_bytes = dp_equivalent_bytes(dp["parameters"], m, learner_steps)
+        baseline = {
+            "eval_loss": dp["eval_loss"],
+            "bytes_per_learner_step": dp_bytes / learner_steps,
+            "parameters": dp["parameters"],
+        }
+        runs: list[dict[str, Any]] = []
+        for h in settings.inner_steps:
+            for codec in settings.codecs:
+                report = up(
+                    root / f"{codec}-h{h}",
+                    [
+                        *model,
+                        "--learners",
+                        str(m),
+                        "--steps",
+                        str(steps),
+                        "--threads",
+                        "1",
+                        "--batch-size",
+                        str(settings.batch_size),
+                        "--inner-steps",
+                        str(h),
+                        "--fragments",
+                        str(settings.fragments),
+                        "--codec",
+                        codec,
+                        "--downlink-codec",
+                        codec,
+                        "--quorum",
+                        str(settings.quorum),
+                    ],
+                )
+                done = max(1, sum(p["steps"] for p in report["per_learner"]))
+                up_bytes, down_bytes = report["bytes"]["up"], report["bytes"]["down"]
+                runs.append(
+                    {
+                        "codec": codec,
+                        "inner_steps": h,
+                        "bytes_up_per_learner_step": round(up_bytes / done, 1),
+                        "bytes_down_per_learner_step": round(down_bytes / done, 1),
+                        "bandwidth_reduction": round(
+                            dp_equivalent_bytes(dp["parameters"], m, done)
+                            / (up_bytes + down_bytes),
+                            1,
+                        ),
+                        "eval_loss": report["eval_loss"],
+                        "loss_gap": round(
+                            (report["eval_loss"] - dp["eval_loss"]) / dp["eval_loss"], 4
+                        ),
+                        "versions_committed": report["versions_committed"],
+                    }
+                )
+    good = [r for r in runs if r["loss_gap"] <= LOSS_GAP_LIMIT]
+    best = max(good, key=lambda r: r["bandwidth_reduction"]) if good else None
+    write(
+        {
+            "learners": m,
+            "steps": steps,
+            "quorum": settings.quorum,
+            "baseline": baseline,
+            "runs": runs,
+            "best": best,
+        },
+        settings.json_path,
+    )
