@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.runs import model_flags, up, write
+from bench.runs import data_parallel, eval_model_flags, up, write
 from services.bandwidth import dp_equivalent_bytes
 
 if TYPE_CHECKING:
@@ -25,43 +25,10 @@ LOSS_GAP_LIMIT = 0.02
 
 def run(settings: BandwidthBench) -> None:
     m, steps = settings.learners, settings.steps
-    model = [
-        *model_flags(settings),
-        "--eval-batches",
-        str(settings.eval_batches),
-        "--eval-every",
-        "0",
-        "--seed",
-        str(settings.seed),
-    ]
+    model = eval_model_flags(settings)
     with tempfile.TemporaryDirectory(prefix="atoll-bandwidth-") as tmp:
         root = Path(tmp)
-        dp = up(
-            root / "dp",
-            [
-                *model,
-                "--learners",
-                "1",
-                "--threads",
-                "2",
-                "--steps",
-                str(steps),
-                "--batch-size",
-                str(m * settings.batch_size),
-                "--mode",
-                "sync",
-                "--inner-steps",
-                str(steps),
-                "--fragments",
-                "1",
-                "--codec",
-                "fp32",
-                "--downlink-codec",
-                "fp32",
-                "--outer-lr",
-                "1.0",
-            ],
-        )
+        dp = data_parallel(root / "dp", model, m, steps, settings.batch_size)
         learner_steps = m * steps
         dp_bytes = dp_equivalent_bytes(dp["parameters"], m, learner_steps)
         baseline = {

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.runs import algorithm_flags, model_flags, up, write
+from bench.runs import algorithm_flags, data_parallel, eval_model_flags, up, write
 from services.bandwidth import dp_equivalent_bytes
 
 if TYPE_CHECKING:
@@ -22,45 +22,12 @@ if TYPE_CHECKING:
 
 def run(settings: QualityBench) -> None:
     m, steps = settings.learners, settings.steps
-    model = [
-        *model_flags(settings),
-        "--eval-batches",
-        str(settings.eval_batches),
-        "--eval-every",
-        "0",
-        "--seed",
-        str(settings.seed),
-    ]
+    model = eval_model_flags(settings)
     algorithm = algorithm_flags(settings)
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="atoll-quality-") as tmp:
         root = Path(tmp)
-        dp = up(
-            root / "dp",
-            [
-                *model,
-                "--learners",
-                "1",
-                "--threads",
-                "2",
-                "--steps",
-                str(steps),
-                "--batch-size",
-                str(m * settings.batch_size),
-                "--mode",
-                "sync",
-                "--inner-steps",
-                str(steps),
-                "--fragments",
-                "1",
-                "--codec",
-                "fp32",
-                "--outer-lr",
-                "1.0",
-                "--outer-momentum",
-                "0",
-            ],
-        )
+        dp = data_parallel(root / "dp", model, m, steps, settings.batch_size)
         runs["dp"] = {
             "eval_loss": dp["eval_loss"],
             "bytes": int(dp_equivalent_bytes(dp["parameters"], m, m * steps)),

@@ -45,6 +45,55 @@ def model_flags(settings: Any) -> list[str]:
     ]
 
 
+def eval_model_flags(settings: Any) -> list[str]:
+    """The model's flags, evaluated once at the end on `eval_batches` batches, seeded."""
+    return [
+        *model_flags(settings),
+        "--eval-batches",
+        str(settings.eval_batches),
+        "--eval-every",
+        "0",
+        "--seed",
+        str(settings.seed),
+    ]
+
+
+def data_parallel(
+    workdir: Path, model: Sequence[str], learners: int, steps: int, batch: int
+) -> dict[str, Any]:
+    """Data-parallel training of `learners` learners, run as the exactly equivalent single
+    learner with `learners` times the batch (one outer step of lr 1 without momentum and a
+    float32 round trip is the identity). Returns its report."""
+    return up(
+        workdir,
+        [
+            *model,
+            "--learners",
+            "1",
+            "--threads",
+            "2",
+            "--steps",
+            str(steps),
+            "--batch-size",
+            str(learners * batch),
+            "--mode",
+            "sync",
+            "--inner-steps",
+            str(steps),
+            "--fragments",
+            "1",
+            "--codec",
+            "fp32",
+            "--downlink-codec",
+            "fp32",
+            "--outer-lr",
+            "1.0",
+            "--outer-momentum",
+            "0",
+        ],
+    )
+
+
 def algorithm_flags(settings: Any) -> list[str]:
     """H, P and the codec from a benchmark's settings."""
     return [

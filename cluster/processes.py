@@ -135,6 +135,19 @@ class SynchronizerChild(Child):
         return self
 
 
+def synchronizer_args(port: int, redis_url: str) -> list[str]:
+    """`atoll synchronizer` on a loopback port (0: any), metrics on any port, this Redis."""
+    return [
+        "synchronizer",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--redis-url",
+        redis_url,
+    ]
+
+
 def synchronizer_child(
     workdir: Path,
     redis_url: str,
@@ -144,13 +157,7 @@ def synchronizer_child(
 ) -> SynchronizerChild:
     log_path = workdir / f"{replica}.log"
     args = atoll_command(
-        "synchronizer",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--redis-url",
-        redis_url,
+        *synchronizer_args(port, redis_url),
         "--replica-id",
         replica,
         "--port-file",

@@ -188,13 +188,7 @@ class Learner:
             self._load_position()
         self._badput("startup", time.monotonic() - start)
         if not self.s.standalone:
-            self.tape.write(
-                "joined",
-                incarnation=self.incarnation,
-                step=self.step,
-                restored=restored,
-                versions=[f.version for f in self.outer.fragments],
-            )
+            self._record("joined", restored=restored)
         last_heartbeat = 0.0
         first = True
         while not self.stop_requested.is_set() and (not self.s.steps or self.step < self.s.steps):
@@ -402,6 +396,16 @@ class Learner:
         self.timeline.badput[source] += seconds
         tm.BADPUT_SECONDS.labels(source=source).inc(seconds)
 
+    def _record(self, kind: str, **fields: object) -> None:
+        """A tape event with where this incarnation stands: step and fragment versions."""
+        self.tape.write(
+            kind,
+            incarnation=self.incarnation,
+            step=self.step,
+            versions=[f.version for f in self.outer.fragments],
+            **fields,
+        )
+
     def _uid(self, seq: int) -> str:
         """An update's id, as the synchronizer and the commit log name it."""
         return f"{self.s.id}/{self.incarnation}/{seq}"
@@ -461,13 +465,7 @@ class Learner:
         )
         wall = time.time() - self.timeline.started
         if synced:
-            self.tape.write(
-                "finished",
-                incarnation=self.incarnation,
-                step=self.step,
-                checksums=checksums,
-                versions=[f.version for f in self.outer.fragments],
-            )
+            self._record("finished", checksums=checksums)
         return {
             "learner": self.s.id,
             "incarnation": self.incarnation,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from cluster.processes import Child, atoll_command, child_env
+from cluster.processes import Child, atoll_command, child_env, synchronizer_args
 from cluster.redis_server import free_port
 from synchronizer.store import job_key
 from tests.test_up import SMALL
@@ -109,13 +109,7 @@ def _pings(client: redis.Redis) -> bool:
 def synchronizer_container(redis_port: int, port: int) -> DockerContainer:
     return container(
         IMAGE,
-        "synchronizer",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--redis-url",
-        f"redis://127.0.0.1:{redis_port}/0",
+        *synchronizer_args(port, f"redis://127.0.0.1:{redis_port}/0"),
         "--job",
         JOB,
         "--fragments",
