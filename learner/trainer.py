@@ -396,7 +396,7 @@ class Learner:
         self.timeline.badput[source] += seconds
         tm.BADPUT_SECONDS.labels(source=source).inc(seconds)
 
-    def _record(self, kind: str, **fields: object) -> None:
+    def _record(self, kind: str, **fields: Any) -> None:
         """A tape event with where this incarnation stands: step and fragment versions."""
         self.tape.write(
             kind,
