@@ -8,12 +8,16 @@ it stopped by setting one number, `position`.
 
 from __future__ import annotations
 
+import json
+import os
 import sysconfig
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".html"}
 MAX_CORPUS_BYTES = 256 << 20
@@ -65,6 +69,31 @@ def load_corpus(paths: Sequence[Path], shard: int, num_shards: int) -> Corpus:
             f"shard {shard} of {num_shards} gets no files from {len(train_files)}; use fewer shards"
         )
     return Corpus(_read(mine), _read(eval_files), len(files))
+
+
+def cached_corpus(
+    paths: Sequence[Path], shard: int, num_shards: int, cache_dir: Path | None
+) -> Corpus:
+    """`load_corpus`, kept in `cache_dir` (a learner slot's state folder) after the first
+    time: a restarted learner reads one file instead of walking and reading the sources."""
+    if cache_dir is None:
+        return load_corpus(paths, shard, num_shards)
+    key = xxhash.xxh3_64_hexdigest(
+        json.dumps([sorted(str(p) for p in paths), shard, num_shards, MAX_CORPUS_BYTES])
+    )
+    path = cache_dir / f"corpus-{key}.npz"
+    try:
+        with np.load(path) as saved:
+            return Corpus(saved["train"], saved["eval"], int(saved["files"]))
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        pass  # none yet, or torn: read the sources
+    corpus = load_corpus(paths, shard, num_shards)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("wb") as f:
+        np.savez(f, train=corpus.train, eval=corpus.eval, files=np.asarray(corpus.files))
+    os.replace(tmp, path)
+    return corpus
 
 
 def _read(files: Sequence[Path]) -> np.ndarray:

@@ -67,3 +67,19 @@ def test_the_ordinal_of_a_pod_name_picks_the_shard() -> None:
         data_shard(pod("learner"))
     with pytest.raises(ValueError, match="past --num-shards"):
         data_shard(pod("l-12"))
+
+
+def test_a_cached_corpus_is_the_corpus(tmp_path: Path) -> None:
+    from learner.data import cached_corpus, load_corpus
+
+    (tmp_path / "src").mkdir()
+    for i in range(60):
+        (tmp_path / "src" / f"f{i}.py").write_text(f"print({i})\n" * (i + 1))
+    direct = load_corpus([tmp_path / "src"], 1, 2)
+    first = cached_corpus([tmp_path / "src"], 1, 2, tmp_path / "state")
+    assert len(list((tmp_path / "state").glob("corpus-*.npz"))) == 1
+    second = cached_corpus([tmp_path / "src"], 1, 2, tmp_path / "state")  # from the file
+    for c in (first, second):
+        assert c.train.tobytes() == direct.train.tobytes()
+        assert c.eval.tobytes() == direct.eval.tobytes()
+        assert c.files == direct.files

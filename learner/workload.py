@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from learner.data import Batches, eval_batches, load_corpus
+from learner.data import Batches, cached_corpus, eval_batches
 from learner.model import TransformerConfig, init_params, make_loss
 from learner.settings import data_shard
 
@@ -69,7 +69,7 @@ class Named:
 def builtin(settings: LearnerSettings) -> Workload:
     cfg = TransformerConfig(settings.layers, settings.width, settings.heads, settings.context)
     shard = data_shard(settings)
-    corpus = load_corpus(settings.data, shard, settings.num_shards)
+    corpus = cached_corpus(settings.data, shard, settings.num_shards, settings.state_dir)
     batches = Batches(
         corpus.train,
         settings.batch_size,
