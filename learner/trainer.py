@@ -166,8 +166,21 @@ class Learner:
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
-        self._train_step = jax.jit(train_step, donate_argnums=(0, 1))
+        self._train_step: Any = jax.jit(train_step, donate_argnums=(0, 1))
         self._eval_loss = jax.jit(flat_loss)
+
+    def _compile_step(self) -> None:
+        """Trace and compile the inner step ahead of the first one (from the compile cache
+        when it has it), so no step's measured compute time includes compiling: that time is
+        start-up badput, never useful seconds."""
+        t0 = time.monotonic()
+        window = self.w.batches.next()
+        self.w.batches.position -= 1  # only its shape was needed
+        batch = jax.ShapeDtypeStruct(  # type: ignore[no-untyped-call]
+            window.shape, window.dtype, sharding=self.batch_sharding
+        )
+        self._train_step = self._train_step.lower(self.params, self.opt_state, batch).compile()
+        self._badput("compile", time.monotonic() - t0)
 
     # --- the loop -------------------------------------------------------------------------
     def start_alone(self) -> None:
@@ -189,8 +202,8 @@ class Learner:
         self._badput("startup", time.monotonic() - start)
         if not self.s.standalone:
             self._record("joined", restored=restored)
+        self._compile_step()
         last_heartbeat = 0.0
-        first = True
         while not self.stop_requested.is_set() and (not self.s.steps or self.step < self.s.steps):
             if not self.s.standalone:
                 self.client.check()
@@ -205,15 +218,11 @@ class Learner:
             if self.s.speed < 1.0:  # stand-in for slower hardware
                 time.sleep(seconds * (1.0 / self.s.speed - 1.0))
                 seconds = time.monotonic() - t0
-            if first:  # the first step compiles: start-up, not progress
-                self._badput("compile", seconds)
-                first = False
-            else:
-                self.ema_step_s = (
-                    seconds
-                    if not self.ema_step_s
-                    else (EMA_DECAY * self.ema_step_s + (1 - EMA_DECAY) * seconds)
-                )
+            self.ema_step_s = (
+                seconds
+                if not self.ema_step_s
+                else (EMA_DECAY * self.ema_step_s + (1 - EMA_DECAY) * seconds)
+            )
             self._record_step(seconds)
             self.tape.write("step", step=self.step, seconds=round(seconds, 6))
             if self.s.standalone:
