@@ -251,7 +251,16 @@ class SynchronizerClient:
 
     # --- fetching -----------------------------------------------------------------------
     def fetch_state(self, fragments: Sequence[int] = ()) -> list[GlobalFragment]:
-        """The current global value of `fragments` (all if empty), over the unary stream."""
+        """The current global value of `fragments` (all if empty), over the unary stream;
+        the caller adopts them (they count as known)."""
+        out = self._fetch(fragments)
+        for g in out:
+            self.known_versions[g.fragment] = max(
+                self.known_versions.get(g.fragment, -1), g.version
+            )
+        return out
+
+    def _fetch(self, fragments: Sequence[int]) -> list[GlobalFragment]:
         assert self._channel is not None, "connect() first"
         fetch = self._method(
             "unary_stream",
@@ -267,9 +276,6 @@ class SynchronizerClient:
             if got is not None:
                 out.append(got)
         for g in out:
-            self.known_versions[g.fragment] = max(
-                self.known_versions.get(g.fragment, -1), g.version
-            )
             self._hold(g)
         return out
 
@@ -445,7 +451,7 @@ class SynchronizerClient:
             return None  # already held (a whole copy overtook this delta)
         if held is None or held[0] != chunk.base_version:
             log.info("delta_gap", fragment=p, held=held and held[0], base=chunk.base_version)
-            fetched = self.fetch_state([p])
+            fetched = self._fetch([p])  # delivered by the caller, like a pushed value
             return fetched[0] if fetched else None
         codec = codecs.by_wire(chunk.header.codec)
         values = apply_delta(held[1], payload, codec, chunk.header.block_size)

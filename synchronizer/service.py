@@ -544,6 +544,9 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             except (RedisError, StoreError, OSError) as err:
                 log.warning("broadcast_interrupted", error=str(err))
                 await asyncio.sleep(0.5)
+            except Exception:  # a bug must not silence every push of this replica for good
+                log.exception("broadcast_failed")
+                await asyncio.sleep(0.5)
 
     async def _push(self, fragment: int) -> None:
         """Bring every learner this replica serves to the fragment's newest version: the
