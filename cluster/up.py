@@ -76,7 +76,11 @@ class LocalCluster:
         self.proxy: FaultProxy | None = None
         self.slot_started: dict[str, float] = {}  # learner slot -> its first launch
         self.training_ended: float | None = None
-        self.job_steps = settings.job_steps or settings.learners * settings.steps
+        # Decoupled: a job budget, so learners a fault slowed are made up for by the others.
+        # Sync mode keeps its learners in lockstep, each running exactly --steps (a budget
+        # would end them at different steps, with rounds only some of them can complete).
+        budget = settings.learners * settings.steps if settings.mode == "decoupled" else 0
+        self.job_steps = settings.job_steps or budget
 
     def plan_faults(self) -> None:
         if not self.s.chaos:
@@ -222,7 +226,7 @@ class LocalCluster:
                 "--job",
                 self.s.job,
                 "--steps",
-                str(self.job_steps),  # a cap: the job's budget ends training
+                str(self.job_steps or self.s.steps),  # with a budget, only a cap
                 "--lr-horizon-steps",
                 str(self.s.steps),
                 "--compile-cache",
