@@ -128,6 +128,23 @@ class HeteroBench(_Model, _Output):
         run(self)
 
 
+class CodecsBench(_Output):
+    """Bytes per value and error of each codec, with and without error feedback."""
+
+    codecs: list[str] = Field(
+        ["bf16", "int8", "int4-uniform", "e3m0"], description="codecs compared"
+    )
+    values: int = Field(1 << 18, ge=256, description="values per vector")
+    rounds: int = Field(50, ge=1, description="encodings summed with error feedback")
+    block_size: int = Field(256, ge=1, description="values per block scale")
+    seed: int = Field(0, description="random seed")
+
+    def cli_cmd(self) -> None:
+        from bench.codecs import run
+
+        run(self)
+
+
 class RawSink(BaseModel):
     """Internal: the bare gRPC sink that `bench synchronizer` measures against."""
 
@@ -156,6 +173,9 @@ class BenchCommand(AtollSettings):
     )
     hetero: CliSubCommand[HeteroBench] = Field(
         description="one learner 4x slower against all at full speed, same wall clock"
+    )
+    codecs: CliSubCommand[CodecsBench] = Field(
+        description="bytes per value and error of each codec, with error feedback"
     )
     goodput: CliSubCommand[GoodputBench] = Field(
         description="goodput of decoupled against sync mode under the same seeded faults"
