@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.runs import data_parallel, eval_model_flags, up, write
+from bench.runs import data_parallel, eval_model_flags, learner_flags, up, write
 from services.bandwidth import dp_equivalent_bytes
 
 if TYPE_CHECKING:
@@ -43,14 +43,7 @@ def run(settings: BandwidthBench) -> None:
                     root / f"{codec}-h{h}",
                     [
                         *model,
-                        "--learners",
-                        str(m),
-                        "--steps",
-                        str(steps),
-                        "--threads",
-                        "1",
-                        "--batch-size",
-                        str(settings.batch_size),
+                        *learner_flags(m, steps, settings.batch_size),
                         "--inner-steps",
                         str(h),
                         "--fragments",

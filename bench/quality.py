@@ -13,7 +13,14 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.runs import algorithm_flags, data_parallel, eval_model_flags, up, write
+from bench.runs import (
+    algorithm_flags,
+    data_parallel,
+    eval_model_flags,
+    learner_flags,
+    up,
+    write,
+)
 from services.bandwidth import dp_equivalent_bytes
 
 if TYPE_CHECKING:
@@ -39,14 +46,7 @@ def run(settings: QualityBench) -> None:
                 [
                     *model,
                     *algorithm,
-                    "--learners",
-                    str(m),
-                    "--steps",
-                    str(steps),
-                    "--threads",
-                    "1",
-                    "--batch-size",
-                    str(settings.batch_size),
+                    *learner_flags(m, steps, settings.batch_size),
                     "--mode",
                     mode,
                 ],

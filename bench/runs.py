@@ -94,6 +94,20 @@ def data_parallel(
     )
 
 
+def learner_flags(learners: int, steps: int, batch_size: int) -> list[str]:
+    """M learners of one XLA thread each, `steps` inner steps per slot, `batch_size`."""
+    return [
+        "--learners",
+        str(learners),
+        "--steps",
+        str(steps),
+        "--threads",
+        "1",
+        "--batch-size",
+        str(batch_size),
+    ]
+
+
 def algorithm_flags(settings: Any) -> list[str]:
     """H, P and the codec from a benchmark's settings."""
     return [
