@@ -556,9 +556,9 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             await self.load_known_spec()
         if not self.connections or not await self.store.is_initialized():
             return
-        full = await self.fragment_chunks(fragment)
-        version = full[0].version
+        version = (await self.store.versions(fragment + 1))[fragment]
         tm.FRAGMENT_VERSION.labels(fragment=str(fragment)).set(version)
+        full: list[fragment_pb2.GlobalFragmentChunk] = []  # read only if someone needs it
         deltas: dict[int, list[fragment_pb2.GlobalFragmentChunk] | None] = {}
         for conn in list(self.connections.values()):
             last = conn.sent_versions.get(fragment, -1)
@@ -574,8 +574,11 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
                         chunks = []
                         break
                     chunks += step
-            conn.sent_versions[fragment] = version
-            for chunk in chunks or full:
+            if not chunks:
+                full = full or await self.fragment_chunks(fragment)
+                chunks = full
+            conn.sent_versions[fragment] = max(version, chunks[0].version)
+            for chunk in chunks:
                 conn.send(session_pb2.SynchronizerMessage(fragment=chunk))
 
     async def _delta_chunks(
