@@ -34,6 +34,7 @@ class RoundState:
     quorum_at: float | None  # when the round first reached quorum
     deadline: float | None  # when the grace window ends
     now: float
+    finished_learners: int = 0  # live learners that have done their final sync
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,13 @@ def decide(
 ) -> Decision:
     if state.contributors == 0:
         return Decision(merge_now=False)
-    k = required_quorum(policy, state.live_learners)
+    training = state.live_learners - state.finished_learners
+    if policy.mode == "decoupled" and state.live_learners and training <= 0:
+        k = 1  # every live learner has finished: nothing more is coming, merge what is left
+    elif policy.mode == "decoupled":
+        k = required_quorum(policy, training)
+    else:
+        k = required_quorum(policy, state.live_learners)
     everyone_in = state.contributors >= max(k, state.live_learners)
     if state.quorum_at is None:
         if state.contributors < k:

@@ -61,3 +61,13 @@ def test_sync_mode_waits_for_every_learner_without_grace() -> None:
 def test_decoupled_quorum_never_exceeds_the_live_learners() -> None:
     assert required_quorum(POLICY, 1) == 1
     assert required_quorum(POLICY, 4) == 2
+
+
+def test_when_every_live_learner_has_finished_what_is_left_merges_below_quorum() -> None:
+    policy = RoundPolicy("decoupled", 4, 5, 0.8, None)
+    last = RoundState(1, 4, 0.0, None, None, 10.0, finished_learners=4)
+    assert decide(last, policy, slowest_step_s=1.0, t_sync_s=0.0).merge_now
+    training = RoundState(1, 4, 0.0, None, None, 10.0, finished_learners=2)
+    assert not decide(training, policy, slowest_step_s=1.0, t_sync_s=0.0).merge_now  # K=2 now
+    two = RoundState(2, 4, 0.0, None, None, 10.0, finished_learners=2)
+    assert decide(two, policy, slowest_step_s=1.0, t_sync_s=0.0).new_deadline is not None

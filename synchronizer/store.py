@@ -207,6 +207,7 @@ class RedisStore:
             self.key("learner", learner),
             self.key("ema"),
             self.key("slot_steps"),
+            self.key("finished"),
         ]
         total = int(await self._run("heartbeat", keys, args))
         return None if total < 0 else total
@@ -304,14 +305,16 @@ class RedisStore:
             self.key("learners"),
             self.key("ema"),
             self.key("stats"),
+            self.key("finished"),
         ]
-        now, opened, quorum, deadline, contrib, live, slowest, t_sync = await self._run(
+        now, opened, quorum, deadline, contrib, live, slowest, t_sync, finished = await self._run(
             "round_state", keys, []
         )
         ms = 1000.0
         state = RoundState(
             contributors=int(contrib),
             live_learners=int(live),
+            finished_learners=int(finished),
             opened_at=float(opened) / ms,
             quorum_at=float(quorum) / ms if quorum else None,
             deadline=float(deadline) / ms if deadline else None,

@@ -1,7 +1,7 @@
 -- Renew a learner's lease, unless a newer incarnation of the same id has taken it over.
 -- Returns the inner steps of all learner slots together (each slot's newest step count), or
 -- -1 when the lease was not renewed.
--- KEYS: learners, learner, ema, slot_steps
+-- KEYS: learners, learner, ema, slot_steps, finished
 -- ARGV: id, incarnation, ttl_ms, step, ema_s, tokens_s, loss, eval, done
 if redis.call('HGET', KEYS[2], 'incarnation') ~= ARGV[2] then return -1 end
 local t = redis.call('TIME')
@@ -11,6 +11,7 @@ redis.call('HSET', KEYS[2], 'updated_ms', now, 'step', ARGV[4], 'step_time_ema_s
 if tonumber(ARGV[5]) > 0 then redis.call('HSET', KEYS[3], ARGV[1], ARGV[5]) end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('HSET', KEYS[4], ARGV[1], math.floor(tonumber(ARGV[4])))
+if ARGV[9] == '1' then redis.call('SADD', KEYS[5], ARGV[1]) else redis.call('SREM', KEYS[5], ARGV[1]) end
 local total = 0
 for _, steps in ipairs(redis.call('HVALS', KEYS[4])) do total = total + tonumber(steps) end
 return total

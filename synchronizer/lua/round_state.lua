@@ -1,6 +1,7 @@
 -- Read one fragment's open round and the live learners, at one instant of Redis time.
--- KEYS: round, contrib, learners, ema, stats
--- Returns: now_ms, opened_ms, quorum_ms, deadline_ms, contributors, live, slowest_ema, t_sync
+-- KEYS: round, contrib, learners, ema, stats, finished
+-- Returns: now_ms, opened_ms, quorum_ms, deadline_ms, contributors, live, slowest_ema, t_sync,
+--          finished (live learners done with their final sync)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local r = redis.call('HMGET', KEYS[1], 'opened_ms', 'quorum_ms', 'deadline_ms')
@@ -12,5 +13,9 @@ if #live > 0 then
   end
 end
 local t_sync = redis.call('HGET', KEYS[5], 't_sync_ema') or '0'
+local finished = 0
+for _, id in ipairs(live) do
+  if redis.call('SISMEMBER', KEYS[6], id) == 1 then finished = finished + 1 end
+end
 return {now, r[1] or tostring(now), r[2] or '', r[3] or '', redis.call('SCARD', KEYS[2]), #live,
-  tostring(slowest), t_sync}
+  tostring(slowest), t_sync, finished}
