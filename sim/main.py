@@ -94,6 +94,9 @@ def plot(model: FailureModel, seed: int, path: Path) -> None:
     left.set_title(f"goodput against scale (chip MTBI {model.chip_mtbi_years:g} year)")
     right.set(xscale="log", xlabel="interruptions per chip-year", ylabel="goodput %", ylim=(0, 100))
     right.set_title("goodput against failure rate (1.2M chips)")
+    rates = [1.0 / y for y in mtbi]
+    right.set_xticks(rates, [f"{r:g}" for r in rates])
+    right.minorticks_off()
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
     left.legend(loc="lower left", fontsize=8)
