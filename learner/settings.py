@@ -65,10 +65,11 @@ class LearnerSettings(ModelConfig, AtollSettings):
         "restarted learner resumes its work and its shard",
     )
     checkpoint_every: int = Field(
-        5,
+        1,
         ge=0,
         description="steps between local checkpoints in --state-dir (parameters, optimizer "
-        "state, outer bookkeeping); 0: none, a restart resumes only its place in the data",
+        "state, outer bookkeeping), written off the inner loop; one still being written when "
+        "the next is due is skipped; 0: none, a restart resumes only its place in the data",
     )
     speed: float = Field(
         1.0, gt=0.0, le=1.0, description="artificial slowdown: 0.25 makes steps 4x slower"

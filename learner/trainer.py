@@ -81,6 +81,7 @@ class Learner:
         # each fragment's error feedback in order.
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-encode")
         self._encoding: list[Future[tuple[int, int, float]]] = []
+        self._writing: Future[tuple[int, int, float]] | None = None  # the last checkpoint
         self._refetch: set[int] = set()
         devices = jax.devices()
         if settings.batch_size % len(devices):
@@ -270,7 +271,8 @@ class Learner:
         if self.s.eval_every and self.step % self.s.eval_every == 0:
             self._evaluate()
         every = self.s.checkpoint_every
-        if self.s.state_dir is not None and every and self.step % every == 0:
+        due = self.s.state_dir is not None and every and self.step % every == 0
+        if due and (self._writing is None or self._writing.done()):  # never queue them up
             self._checkpoint()
 
     def _send(self, p: int) -> None:
@@ -535,7 +537,8 @@ class Learner:
             ckpt.write(path, snap)
             return -1, -1, 0.0  # not an update: nothing to acknowledge
 
-        self._encoding.append(self._encoder.submit(finish_and_write))
+        self._writing = self._encoder.submit(finish_and_write)
+        self._encoding.append(self._writing)
 
     def _restore(self) -> bool:
         """Go on from this slot's local checkpoint, if there is one for this job and model."""
