@@ -15,7 +15,7 @@ from cluster.check import CheckSettings
 from cluster.settings import UpSettings
 from learner.settings import LearnerSettings
 from services.config import SynchronizerSettings
-from services.lifecycle import watch_parent
+from services.lifecycle import reuse_large_buffers, watch_parent
 from sim.plan import PlanSettings
 from sim.settings import SimSettings
 
@@ -110,6 +110,7 @@ class Atoll(BaseSettings):
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     watch_parent()
+    reuse_large_buffers()
     try:
         CliApp.run(Atoll, cli_args=args)
     except ValidationError as err:

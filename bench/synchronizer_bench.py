@@ -1,9 +1,12 @@
 """`atoll bench synchronizer`: how fast one replica ingests updates, against raw gRPC.
 
-Both halves run in this one invocation on the same machine: N clients stream 4 MiB int8
+All three parts run in this one invocation on the same machine: N clients stream 4 MiB int8
 updates of one fragment to a real synchronizer (its own process, a real Redis), waiting for
 each ack; then the same clients stream the same bytes, in the same chunks, to a bare gRPC
-sink process that only counts them and acks. The ratio is ingest / raw.
+sink process that only counts them and acks; then the same clients write the same payloads
+straight into a fresh Redis, one SET per update to a key of its own, as the synchronizer
+stores them: the store's own ceiling, with nothing of atoll's in the way. `ratio` is
+ingest / raw, `store_ratio` ingest / store.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
+import redis
 
 from cluster.processes import Child, atoll_command, child_env, synchronizer_child, wait_for_file
 from cluster.redis_server import RedisServer
@@ -173,6 +177,22 @@ def measure_raw(workdir: Path, clients: int, seconds: float, payload_bytes: int)
         sink.stop()
 
 
+def measure_store(workdir: Path, clients: int, seconds: float, payload_bytes: int) -> float:
+    payload = np.random.default_rng(0).bytes(payload_bytes)
+    with RedisServer(workdir / "redis-alone") as redis_server:
+
+        def write(i: int, deadline: float) -> int:
+            client = redis.Redis.from_url(redis_server.url)
+            sent = 0
+            while time.monotonic() < deadline:
+                client.set(f"payload:{i}:{sent}", payload)
+                sent += 1
+            client.close()
+            return sent * payload_bytes
+
+        return _run_clients(clients, seconds, write)
+
+
 RAW_METHOD = "/atoll.bench.RawSink/Stream"
 
 
@@ -213,6 +233,7 @@ def run(settings: SynchronizerBench) -> None:
         workdir = Path(tmp)
         ingest = measure_ingest(workdir, settings.clients, settings.seconds, n)
         raw = measure_raw(workdir, settings.clients, settings.seconds, payload_bytes)
+        store = measure_store(workdir, settings.clients, settings.seconds, payload_bytes)
     result = {
         "clients": settings.clients,
         "seconds": settings.seconds,
@@ -220,6 +241,8 @@ def run(settings: SynchronizerBench) -> None:
         "ingest_mb_s": round(ingest, 2),
         "raw_grpc_mb_s": round(raw, 2),
         "ratio": round(ingest / raw, 3) if raw else 0.0,
+        "store_mb_s": round(store, 2),
+        "store_ratio": round(ingest / store, 3) if store else 0.0,
     }
     print(json.dumps(result, indent=2))
     if settings.json_path is not None:

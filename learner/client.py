@@ -13,7 +13,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +50,15 @@ class GlobalFragment:
 @dataclass
 class _Outgoing:
     seq: int
-    chunks: list[session_pb2.UpdateChunk]
+    messages: list[bytes]  # serialized once; a re-send after a reconnect sends them again
+
+
+# What the session's stream sends: a message, or one already serialized (an update's chunk).
+Outbound = session_pb2.LearnerMessage | bytes
+
+
+def _serialize(message: Outbound) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 @dataclass
@@ -103,7 +111,7 @@ class SynchronizerClient:
         self._seq = itertools.count(1)
         self._lock = threading.Condition()
         self._unacked: dict[int, _Outgoing] = {}
-        self._outbox: queue.Queue[session_pb2.LearnerMessage | None] | None = None
+        self._outbox: queue.Queue[Outbound | None] | None = None
         self._channel: grpc.Channel | None = None
         self._closed = threading.Event()
         self._connected = threading.Event()
@@ -166,26 +174,25 @@ class SynchronizerClient:
         )
         seq = next(self._seq)
         header = make_header(fragment, codec, block_size, num_elements, payload, size)
-        chunks = [
-            session_pb2.UpdateChunk(
-                header=header,
-                kind=kind,  # type: ignore[arg-type]
-                seq=seq,
-                base_version=base_version,
-                c_steps=c_steps,
-                c_tokens=c_tokens,
-                compute_seconds=compute_seconds,
-                chunk_index=i,
-                data=data,
-            )
-            for i, data in enumerate(split(payload, size))
-        ]
+        # Built in place and serialized here, in the caller's thread: a chunk's bytes are
+        # copied once into the message and once out, and the stream's thread only sends.
+        messages: list[bytes] = []
+        for i, data in enumerate(split(payload, size)):
+            built = session_pb2.LearnerMessage()
+            chunk = built.update  # set in place: no copy of a built chunk
+            chunk.header.CopyFrom(header)
+            chunk.kind = kind  # type: ignore[assignment]
+            chunk.seq, chunk.base_version, chunk.chunk_index = seq, base_version, i
+            chunk.c_steps, chunk.c_tokens = c_steps, c_tokens
+            chunk.compute_seconds = compute_seconds
+            chunk.data = data
+            messages.append(built.SerializeToString())
         with self._lock:
-            self._unacked[seq] = _Outgoing(seq, chunks)
+            self._unacked[seq] = _Outgoing(seq, messages)
             outbox = self._outbox
             if outbox is not None and self._connected.is_set():
-                for chunk in chunks:
-                    outbox.put(session_pb2.LearnerMessage(update=chunk))
+                for serialized in messages:
+                    outbox.put(serialized)
         return seq
 
     def send_initial(self, fragment: int, values: np.ndarray) -> int:
@@ -206,7 +213,7 @@ class SynchronizerClient:
             assert self._outbox is not None
             for chunk in chunks:
                 self._unacked.setdefault(chunk.seq, _Outgoing(chunk.seq, []))
-                self._outbox.put(session_pb2.LearnerMessage(update=chunk))
+                self._outbox.put(session_pb2.LearnerMessage(update=chunk).SerializeToString())
 
     def heartbeat(
         self,
@@ -262,12 +269,7 @@ class SynchronizerClient:
 
     def _fetch(self, fragments: Sequence[int]) -> list[GlobalFragment]:
         assert self._channel is not None, "connect() first"
-        fetch = self._method(
-            "unary_stream",
-            "FetchState",
-            synchronizer_pb2.FetchStateRequest,
-            fragment_pb2.GlobalFragmentChunk,
-        )
+        fetch = self._method("unary_stream", "FetchState", fragment_pb2.GlobalFragmentChunk)
         request = synchronizer_pb2.FetchStateRequest(job=self.job, fragments=list(fragments))
         out: list[GlobalFragment] = []
         assembler = ChunkAssembler()
@@ -280,11 +282,17 @@ class SynchronizerClient:
         return out
 
     # --- the session thread -------------------------------------------------------------
-    def _method(self, kind: str, name: str, request: Any, response: Any) -> Any:
+    def _method(
+        self,
+        kind: str,
+        name: str,
+        response: Any,
+        serialize: Callable[[Any], bytes] = _serialize,
+    ) -> Any:
         """A call of the synchronizer service whose messages count their bytes on the way."""
         return getattr(self._channel, kind)(
             f"/{SERVICE}/{name}",
-            request_serializer=counting_serializer(request.SerializeToString, self._count_up),
+            request_serializer=counting_serializer(serialize, self._count_up),
             response_deserializer=counting_parser(response.FromString, self._count_down),
         )
 
@@ -296,9 +304,7 @@ class SynchronizerClient:
         self.stats.bytes_down += size
         tm.LEARNER_BYTES.labels(direction="down").inc(size)
 
-    def _requests(
-        self, outbox: queue.Queue[session_pb2.LearnerMessage | None]
-    ) -> Iterator[session_pb2.LearnerMessage]:
+    def _requests(self, outbox: queue.Queue[Outbound | None]) -> Iterator[Outbound]:
         while True:
             message = outbox.get()
             if message is None:
@@ -351,10 +357,8 @@ class SynchronizerClient:
         if self._channel is not None:
             self._channel.close()
         self._channel = grpc.insecure_channel(address, options=channel_options(self.max_backoff_s))
-        session = self._method(
-            "stream_stream", "Session", session_pb2.LearnerMessage, session_pb2.SynchronizerMessage
-        )
-        outbox: queue.Queue[session_pb2.LearnerMessage | None] = queue.Queue()
+        session = self._method("stream_stream", "Session", session_pb2.SynchronizerMessage)
+        outbox: queue.Queue[Outbound | None] = queue.Queue()
         outbox.put(self._hello())
         self._outbox = outbox
         responses = session(self._requests(outbox))
@@ -379,9 +383,7 @@ class SynchronizerClient:
             outbox.put(None)
             responses.cancel()
 
-    def _on_ack(
-        self, ack: session_pb2.Ack, outbox: queue.Queue[session_pb2.LearnerMessage | None]
-    ) -> None:
+    def _on_ack(self, ack: session_pb2.Ack, outbox: queue.Queue[Outbound | None]) -> None:
         if ack.code == grpc.StatusCode.UNAVAILABLE.value[0]:
             # The synchronizer could not store it: send it again shortly, same seq.
             def resend() -> None:
@@ -390,8 +392,8 @@ class SynchronizerClient:
                 with self._lock:
                     out = self._unacked.get(ack.seq)
                     if out is not None and not self._closed.is_set():
-                        for chunk in out.chunks:
-                            outbox.put(session_pb2.LearnerMessage(update=chunk))
+                        for message in out.messages:
+                            outbox.put(message)
 
             timer = threading.Timer(RESEND_DELAY_S, resend)
             timer.daemon = True
@@ -405,15 +407,15 @@ class SynchronizerClient:
     def _on_welcome(
         self,
         welcome: session_pb2.Welcome,
-        outbox: queue.Queue[session_pb2.LearnerMessage | None],
+        outbox: queue.Queue[Outbound | None],
         first: bool,
     ) -> None:
         self.welcome = welcome
         with self._lock:
             pending = [self._unacked[s] for s in sorted(self._unacked)]
             for out in pending:
-                for chunk in out.chunks:
-                    outbox.put(session_pb2.LearnerMessage(update=chunk))
+                for message in out.messages:
+                    outbox.put(message)
         if not first:
             tm.REJOINS.inc()
             moved = [

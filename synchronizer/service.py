@@ -40,6 +40,9 @@ log = structlog.get_logger("atoll.synchronizer")
 SERVICE_NAME = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
 
 OUTBOX_LIMIT = 4096  # messages queued for one learner before it counts as too slow
+# Whole updates a session holds between reading and storing: the next one's bytes come in
+# while the last is written to the store, and a slow store holds the stream back.
+STORE_QUEUE = 2
 MAX_DELTA_CHAIN = 8  # deltas sent to catch a learner up before a whole value is cheaper
 
 
@@ -59,6 +62,24 @@ def specs_from_proto(params: list[fragment_pb2.TensorSpec]) -> list[LeafSpec]:
 
 def specs_to_proto(specs: list[LeafSpec]) -> list[fragment_pb2.TensorSpec]:
     return [fragment_pb2.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in specs]
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """An update all of whose chunks are in and checked: the store's to take."""
+
+    chunk: session_pb2.UpdateChunk
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class _Refused:
+    rejection: Rejection
+    seq: int
+
+
+# What a session's reader hands its store worker, in stream order.
+_Work = session_pb2.Heartbeat | _Whole | _Refused
 
 
 class SessionClosed(Exception):
@@ -284,16 +305,20 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
     async def _read(
         self, conn: Connection, request_iterator: AsyncIterator[session_pb2.LearnerMessage]
     ) -> None:
+        """Read the stream: assemble and check updates here, store them in order in
+        `_work`, so the next update's bytes arrive while the last one is being stored."""
         assembler = ChunkAssembler()
+        work: asyncio.Queue[_Work | None] = asyncio.Queue(maxsize=STORE_QUEUE)
+        worker = asyncio.create_task(self._work(conn, work))
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
                 if kind == "heartbeat":
-                    await self._heartbeat(conn, message.heartbeat)
+                    await work.put(message.heartbeat)
                 elif kind == "update":
-                    ack = await self._update(conn, assembler, message.update)
-                    if ack is not None:
-                        conn.send(session_pb2.SynchronizerMessage(ack=ack))
+                    admitted = self._admit(conn, assembler, message.update)
+                    if admitted is not None:
+                        await work.put(admitted)
                 else:
                     conn.outbox.put_nowait(
                         SessionClosed(
@@ -302,13 +327,35 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
                         )
                     )
                     return
+                if worker.done():  # it stopped on a broken store: end the session
+                    return
+            await work.put(None)
+            await worker
             await self.store.leave(conn.learner, conn.incarnation)
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
         except Exception as err:  # a broken store must not kill the replica
             log.warning("session_error", learner=conn.learner, error=str(err))
         finally:
+            worker.cancel()
             conn.outbox.put_nowait(None)
+
+    async def _work(self, conn: Connection, work: asyncio.Queue[_Work | None]) -> None:
+        """Store what the reader admitted, one item at a time, in the stream's order."""
+        try:
+            while (item := await work.get()) is not None:
+                if isinstance(item, session_pb2.Heartbeat):
+                    await self._heartbeat(conn, item)
+                    continue
+                if isinstance(item, _Refused):
+                    ack = await self._refuse(conn, item.rejection, item.seq)
+                else:
+                    ack = await self._store_update(conn, item.chunk, item.payload)
+                conn.send(session_pb2.SynchronizerMessage(ack=ack))
+        except asyncio.CancelledError:
+            pass
+        except Exception as err:  # a broken store must not kill the replica
+            log.warning("session_error", learner=conn.learner, error=str(err))
 
     async def _heartbeat(self, conn: Connection, hb: session_pb2.Heartbeat) -> None:
         steps_done = await self.store.heartbeat(
@@ -336,9 +383,11 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             )
             conn.send(session_pb2.SynchronizerMessage(status=status))
 
-    async def _update(
+    def _admit(
         self, conn: Connection, assembler: ChunkAssembler, chunk: session_pb2.UpdateChunk
-    ) -> session_pb2.Ack | None:
+    ) -> _Work | None:
+        """One chunk in: None while its update is incomplete (or already refused), then the
+        whole update to store, or its refusal. Pure checks; nothing is stored here."""
         if chunk.seq == conn.rejected_seq:
             return None  # the rest of an update already refused: one refusal per update
         try:
@@ -357,19 +406,27 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
         except Rejection as rejection:
             assembler.reset()
             conn.rejected_seq = chunk.seq
-            await self._count_rejection(rejection.reason)
-            log.info(
-                "update_rejected",
-                learner=conn.learner,
-                reason=rejection.reason,
-                detail=rejection.message,
-            )
-            return session_pb2.Ack(
-                seq=chunk.seq,
-                status=session_pb2.ACK_STATUS_REJECTED,
-                code=rejection.code.value[0],
-                reason=rejection.message,
-            )
+            return _Refused(rejection, chunk.seq)
+        return _Whole(chunk, payload)
+
+    async def _refuse(self, conn: Connection, rejection: Rejection, seq: int) -> session_pb2.Ack:
+        await self._count_rejection(rejection.reason)
+        log.info(
+            "update_rejected",
+            learner=conn.learner,
+            reason=rejection.reason,
+            detail=rejection.message,
+        )
+        return session_pb2.Ack(
+            seq=seq,
+            status=session_pb2.ACK_STATUS_REJECTED,
+            code=rejection.code.value[0],
+            reason=rejection.message,
+        )
+
+    async def _store_update(
+        self, conn: Connection, chunk: session_pb2.UpdateChunk, payload: bytes
+    ) -> session_pb2.Ack:
         try:
             if chunk.kind == session_pb2.UPDATE_KIND_INITIAL:
                 return await self._initial_fragment(conn, chunk, payload)
