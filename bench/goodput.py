@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.runs import algorithm_flags, model_flags, up, write
+from bench.runs import algorithm_flags, eval_model_flags, up, write
 
 if TYPE_CHECKING:
     from bench.settings import GoodputBench
@@ -36,7 +36,7 @@ def _figures(report: dict[str, Any]) -> dict[str, Any]:
 
 def run(settings: GoodputBench) -> None:
     common = [
-        *model_flags(settings),
+        *eval_model_flags(settings),
         *algorithm_flags(settings),
         "--learners",
         str(settings.learners),
@@ -44,8 +44,6 @@ def run(settings: GoodputBench) -> None:
         str(settings.steps),
         "--batch-size",
         str(settings.batch_size),
-        "--seed",
-        str(settings.seed),
         "--threads",
         "1",
     ]

@@ -15,7 +15,8 @@ class _Output(BaseModel):
 
 
 class SynchronizerBench(_Output):
-    """Ingest of 3 learners streaming int8 updates, against raw gRPC streaming of the same bytes."""
+    """Ingest of 3 learners streaming int8 updates, against raw gRPC streaming of the same
+    bytes and against Redis alone storing them."""
 
     clients: int = Field(3, ge=1, le=16, description="concurrent learner clients")
     seconds: float = Field(10.0, gt=0.0, description="seconds each measurement streams")
@@ -78,10 +79,12 @@ class GoodputBench(_Model, _Output):
     fragments: int = Field(4, ge=1, description="P")
     codec: str = Field("int8", description="codec of outer gradients")
     chaos: str = Field(
-        "learner-kill:mtbf=20s,down=15s",
-        description="the fault SPEC both faulty runs get (a learner takes 15 s to come back: "
-        "on this scale, like a node replaced in minutes at a sync interval of minutes)",
+        "learner-kill:mtbf=30s,down=30s",
+        description="the fault SPEC both faulty runs get (a learner takes 30 s to come back, "
+        "longer than a fragment's sync interval: on this scale, a node replaced in minutes "
+        "at a sync interval of minutes)",
     )
+    eval_batches: int = Field(16, ge=1, description="eval batches (x batch size sequences)")
     seed: int = Field(1, description="seed of the fault schedule, the model and the data")
 
     def cli_cmd(self) -> None:
