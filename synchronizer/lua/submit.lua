@@ -9,7 +9,16 @@ local function refuse(status, v)
   return {status, v, 0}
 end
 local v = redis.call('HGET', KEYS[1], 'version')
-if redis.call('SISMEMBER', KEYS[4], ARGV[3]) == 1 then return refuse('duplicate', tonumber(v or '0')) end
+if redis.call('SISMEMBER', KEYS[4], ARGV[3]) == 1 then
+  -- A retry (after a reconnect, perhaps to another replica). Its payload was just written
+  -- over the original's key: if the original is still pending, that key is its payload (the
+  -- same bytes) and must stay; only an already merged one's is dropped.
+  if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
+    redis.call('PERSIST', KEYS[6])
+    return {'duplicate', tonumber(v or '0'), 0}
+  end
+  return refuse('duplicate', tonumber(v or '0'))
+end
 if not v then return refuse('uninitialized', 0) end
 v = tonumber(v)
 local base = tonumber(ARGV[4])
