@@ -2,11 +2,11 @@
 
 Without it, a learner killed between two syncs loses every step since each fragment's last
 send. With it (`--state-dir`), the slot writes, every `--checkpoint-every` steps (default:
-every step; one is skipped while the last is still being written), its parameters, its inner
-optimizer state, each fragment's outer bookkeeping (anchor, version, counters,
-error-feedback residual, the update in flight) and its place in the data, in one file
-replaced atomically. A new incarnation of the slot restores it after joining, so only
-the steps since the last checkpoint are lost.
+every step, at most one per `--checkpoint-seconds`, and none while the last is still being
+written), its parameters, its inner optimizer state, each fragment's outer bookkeeping
+(anchor, version, counters, error-feedback residual, the update in flight) and its place in
+the data, in one file replaced atomically. A new incarnation of the slot restores it after
+joining, so only the steps since the last checkpoint are lost.
 
 On rejoining, every restored fragment moves onto the job's current value, keeping the
 progress made since its anchor (`FragmentState.carry_onto`), so the learner trains the

@@ -13,7 +13,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,6 +224,7 @@ class SynchronizerClient:
         loss: float,
         eval_loss: float,
         done: bool = False,
+        last_sent: bool = False,
     ) -> None:
         self.step = step
         outbox = self._outbox
@@ -237,6 +238,7 @@ class SynchronizerClient:
                         loss=loss,
                         eval_loss=eval_loss,
                         done=done,
+                        last_sent=last_sent,
                     )
                 )
             )
@@ -257,23 +259,37 @@ class SynchronizerClient:
             return len(self._unacked)
 
     # --- fetching -----------------------------------------------------------------------
-    def fetch_state(self, fragments: Sequence[int] = ()) -> list[GlobalFragment]:
+    def fetch_state(
+        self, fragments: Sequence[int] = (), held: Mapping[int, np.ndarray] | None = None
+    ) -> list[GlobalFragment]:
         """The current global value of `fragments` (all if empty), over the unary stream;
-        the caller adopts them (they count as known)."""
-        out = self._fetch(fragments)
+        the caller adopts them (they count as known). A fragment in `held` whose current value
+        is that array (same checksum) is not sent again: the held array comes back instead."""
+        out = self._fetch(fragments, held or {})
         for g in out:
             self.known_versions[g.fragment] = max(
                 self.known_versions.get(g.fragment, -1), g.version
             )
         return out
 
-    def _fetch(self, fragments: Sequence[int]) -> list[GlobalFragment]:
+    def _fetch(
+        self, fragments: Sequence[int], held: Mapping[int, np.ndarray] | None = None
+    ) -> list[GlobalFragment]:
         assert self._channel is not None, "connect() first"
+        mine = {p: np.ascontiguousarray(v, "<f4") for p, v in (held or {}).items()}
         fetch = self._method("unary_stream", "FetchState", fragment_pb2.GlobalFragmentChunk)
-        request = synchronizer_pb2.FetchStateRequest(job=self.job, fragments=list(fragments))
+        request = synchronizer_pb2.FetchStateRequest(
+            job=self.job,
+            fragments=list(fragments),
+            held={p: codecs.checksum(v.tobytes()) for p, v in mine.items()},
+        )
         out: list[GlobalFragment] = []
         assembler = ChunkAssembler()
         for chunk in fetch(request, timeout=120):
+            p = chunk.header.fragment
+            if chunk.unchanged and p in mine:
+                out.append(GlobalFragment(p, chunk.version, mine[p].copy()))
+                continue
             got = self._assemble(assembler, chunk)
             if got is not None:
                 out.append(got)

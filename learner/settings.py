@@ -71,6 +71,12 @@ class LearnerSettings(ModelConfig, AtollSettings):
         "state, outer bookkeeping), written off the inner loop; one still being written when "
         "the next is due is skipped; 0: none, a restart resumes only its place in the data",
     )
+    checkpoint_seconds: float = Field(
+        1.0,
+        ge=0.0,
+        description="at least this long between two local checkpoints, so fast steps do not "
+        "spend their time writing them (a restart loses at most about this much work)",
+    )
     speed: float = Field(
         1.0, gt=0.0, le=1.0, description="artificial slowdown: 0.25 makes steps 4x slower"
     )

@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,12 +35,14 @@ from learner.settings import LearnerSettings
 from learner.workload import Named, Workload
 from services import codec as codecs
 from services import telemetry as tm
+from services.config import INIT_CLAIM_S
 from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
 from services.tape import Tape
 
 log = structlog.get_logger("atoll.learner")
 FINAL_SYNC_TIMEOUT_S = 120.0
+INIT_POLL_S = 0.2  # how often a learner waiting for the job's initial parameters asks
 EMA_DECAY = 0.9
 
 
@@ -82,6 +84,7 @@ class Learner:
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-encode")
         self._encoding: list[Future[tuple[int, int, float]]] = []
         self._writing: Future[tuple[int, int, float]] | None = None  # the last checkpoint
+        self._last_checkpoint = -math.inf  # when it was taken (monotonic)
         self._refetch: set[int] = set()
         devices = jax.devices()
         if settings.batch_size % len(devices):
@@ -113,14 +116,22 @@ class Learner:
         self.block_size = cfg.block_size
         self.layout: FragmentLayout = fragment_layout(self.specs, self.P)
         flat = {k: np.asarray(v, np.float32) for k, v in self.named.flatten(self.w.params).items()}
-        if not welcome.initialized:
+        # Fragments still at the value this learner initialized (same model and seed) are
+        # not sent again: only their checksums travel.
+        mine = {p: self.layout.gather(p, flat) for p in range(self.P)}
+        fetched: list[GlobalFragment] | None = None
+        if not welcome.initialized and not welcome.initializer:
+            fetched = self._await_initial(mine)  # another learner is sending them
+        if not welcome.initialized and fetched is None:
             for p in range(self.P):
-                self.client.send_initial(p, self.layout.gather(p, flat))
+                self.client.send_initial(p, mine[p])
             deadline = time.monotonic() + 60
             while self.client.unacked() and time.monotonic() < deadline:
                 self.client.check()
                 time.sleep(0.05)
-        globals_ = sorted(self.client.fetch_state(), key=lambda g: g.fragment)
+        if fetched is None:
+            fetched = self.client.fetch_state(held=mine)
+        globals_ = sorted(fetched, key=lambda g: g.fragment)
         if len(globals_) != self.P:
             raise RuntimeError(f"fetched {len(globals_)} of {self.P} global fragments; retry")
         self.outer = OuterState.start(
@@ -144,6 +155,20 @@ class Learner:
             versions=[g.version for g in globals_],
             initialized_job=not welcome.initialized,
         )
+
+    def _await_initial(self, mine: dict[int, np.ndarray]) -> list[GlobalFragment] | None:
+        """The job's initial values, once the learner holding the claim has sent them; None
+        if they did not come while its claim lasted (then this learner sends its own)."""
+        deadline = time.monotonic() + INIT_CLAIM_S + 5.0
+        while time.monotonic() < deadline and not self.stop_requested.is_set():
+            try:
+                return self.client.fetch_state(held=mine)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+            time.sleep(INIT_POLL_S)
+        log.warning("initial_parameters_late", learner=self.s.id)
+        return None
 
     def compile(self) -> None:
         named, loss_fn = self.named, self.w.loss_fn
@@ -272,7 +297,9 @@ class Learner:
             self._evaluate()
         every = self.s.checkpoint_every
         due = self.s.state_dir is not None and every and self.step % every == 0
+        due = due and time.monotonic() - self._last_checkpoint >= self.s.checkpoint_seconds
         if due and (self._writing is None or self._writing.done()):  # never queue them up
+            self._last_checkpoint = time.monotonic()
             self._checkpoint()
 
     def _send(self, p: int) -> None:
@@ -421,7 +448,7 @@ class Learner:
         """An update's id, as the synchronizer and the commit log name it."""
         return f"{self.s.id}/{self.incarnation}/{seq}"
 
-    def _heartbeat(self, done: bool = False) -> None:
+    def _heartbeat(self, done: bool = False, last_sent: bool = False) -> None:
         if self.client.stats.reconnects != self._reconnects_seen:
             self._reconnects_seen = self.client.stats.reconnects
             self.tape.write("reconnected", reconnects=self._reconnects_seen)
@@ -436,6 +463,7 @@ class Learner:
             loss=self.loss,
             eval_loss=self.eval_loss,
             done=done,
+            last_sent=last_sent or done,
         )
         self._save_position()
 
@@ -447,6 +475,11 @@ class Learner:
                 self._wait_for(p, source="waiting")
             if f.steps and not f.in_flight:
                 self._send(p)
+        # Once the last updates are on the stream, say so (the stream keeps the order): the
+        # synchronizer merges what is left as soon as every live learner has said it,
+        # instead of waiting for a quorum or a grace window that nothing more will fill.
+        wait(self._encoding)
+        self._heartbeat(last_sent=True)
         for p in range(self.P):
             self._wait_for(p, source="waiting")
         self._drain_acks()

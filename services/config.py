@@ -25,6 +25,11 @@ CodecName = Literal["fp32", "bf16", "int8", "int4", "int4-uniform", "e3m0"]
 assert set(CodecName.__args__) == set(REGISTRY)  # type: ignore[attr-defined]
 
 
+# Protocol: while a job has no parameters, one joining learner alone may send them for this
+# long; the others wait for them instead of each uploading the whole model.
+INIT_CLAIM_S = 60.0
+
+
 class JobConfig(BaseModel):
     """The algorithm's settings. The synchronizer owns them; learners receive them on join."""
 

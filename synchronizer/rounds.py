@@ -34,7 +34,7 @@ class RoundState:
     quorum_at: float | None  # when the round first reached quorum
     deadline: float | None  # when the grace window ends
     now: float
-    finished_learners: int = 0  # live learners that have done their final sync
+    finished_learners: int = 0  # live learners that have sent their last update
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,10 @@ def decide(
         return Decision(merge_now=False)
     training = state.live_learners - state.finished_learners
     if policy.mode == "decoupled" and state.live_learners and training <= 0:
-        k = 1  # every live learner has finished: nothing more is coming, merge what is left
-    elif policy.mode == "decoupled":
+        # Every live learner has sent its last update: nothing more is coming, so waiting
+        # (for quorum or grace) only delays the end. Merge what is left now.
+        return Decision(merge_now=True)
+    if policy.mode == "decoupled":
         k = required_quorum(policy, training)
     else:
         k = required_quorum(policy, state.live_learners)

@@ -71,3 +71,6 @@ def test_when_every_live_learner_has_finished_what_is_left_merges_below_quorum()
     assert not decide(training, policy, slowest_step_s=1.0, t_sync_s=0.0).merge_now  # K=2 now
     two = RoundState(2, 4, 0.0, None, None, 10.0, finished_learners=2)
     assert decide(two, policy, slowest_step_s=1.0, t_sync_s=0.0).new_deadline is not None
+    # A grace window still open when the last learner finishes is not waited out.
+    waiting = RoundState(2, 4, 0.0, 9.0, 14.0, 10.0, finished_learners=4)
+    assert decide(waiting, policy, slowest_step_s=1.0, t_sync_s=0.0).merge_now

@@ -266,10 +266,11 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"bad model spec: {err}"
             ) from None
         spec_json = spec_to_json(specs)
-        ok, previous = await self.store.hello(
+        joined = await self.store.hello(
             spec_json, hello.learner_id, hello.incarnation, cfg.lease_ttl_s, hello.step
         )
-        if not ok:
+        previous = joined.previous
+        if not joined.ok:
             raise SessionClosed(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "this learner's model differs from the job's (leaf names or shapes); start it "
@@ -279,7 +280,13 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             log.info("learner_new_incarnation", learner=hello.learner_id, previous=previous)
         await self.adopt_spec(spec_json)
         assert self.layout is not None
-        conn = Connection(hello.learner_id, hello.incarnation)
+        versions = await self.store.versions(self.layout.num_fragments)
+        # A learner holds at least these versions once it has joined (it fetches whatever
+        # moved since, or whatever it lacks): the next commit reaches it as a delta, not as
+        # a whole copy of a fragment it already has.
+        conn = Connection(
+            hello.learner_id, hello.incarnation, sent_versions=dict(enumerate(versions))
+        )
         welcome = session_pb2.Welcome(
             config=session_pb2.JobConfig(
                 job=cfg.job,
@@ -296,9 +303,10 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
                 keep_overlap_progress=cfg.keep_overlap_progress,
             ),
             params=specs_to_proto(self.spec),
-            versions=await self.store.versions(self.layout.num_fragments),
+            versions=versions,
             initialized=await self.store.is_initialized(),
             synchronizer_id=cfg.replica_id,
+            initializer=joined.initializer,
         )
         return conn, session_pb2.SynchronizerMessage(welcome=welcome)
 
@@ -368,6 +376,7 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             loss=hb.loss if math.isfinite(hb.loss) else -1.0,
             eval_loss=hb.eval_loss if math.isfinite(hb.eval_loss) else -1.0,
             done=1.0 if hb.done else 0.0,
+            last_sent=1.0 if hb.last_sent or hb.done else 0.0,
         )
         if steps_done is None:
             conn.outbox.put_nowait(
@@ -542,10 +551,19 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             log.warning("evaluate_failed", fragment=fragment, error=str(err))
 
     # --- state and broadcast ------------------------------------------------------------
-    async def fragment_chunks(self, fragment: int) -> list[fragment_pb2.GlobalFragmentChunk]:
+    async def fragment_chunks(
+        self, fragment: int, held: int | None = None
+    ) -> list[fragment_pb2.GlobalFragmentChunk]:
+        """The fragment's whole current value, chunked; or, when its checksum is `held` (the
+        learner already has it), one chunk without data that says so."""
         version, payload = await self.store.global_value(fragment)
         size = self.settings.max_chunk_bytes
         header = make_header(fragment, fragment_pb2.CODEC_FP32, 0, len(payload) // 4, payload, size)
+        if held is not None and header.checksum == held:
+            header.chunk_count, header.total_bytes = 1, 0
+            return [
+                fragment_pb2.GlobalFragmentChunk(header=header, version=version, unchanged=True)
+            ]
         return [
             fragment_pb2.GlobalFragmentChunk(header=header, version=version, chunk_index=i, data=d)
             for i, d in enumerate(split(payload, size))
@@ -577,7 +595,7 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
                 f"fragments {bad} do not exist; this job has 0..{self.layout.num_fragments - 1}",
             )
         for p in wanted:
-            for chunk in await self.fragment_chunks(p):
+            for chunk in await self.fragment_chunks(p, request.held.get(p)):
                 yield chunk
 
     async def broadcast_forever(self) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
+from services.config import INIT_CLAIM_S
 from synchronizer.rounds import RoundState
 
 SUPPORTED_SCHEMES = ("redis", "rediss", "unix")
@@ -26,6 +27,13 @@ DELTA_TTL_S = 300  # a learner further behind than this gets a full copy
 
 class StoreError(RuntimeError):
     """The store refused or could not do what was asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    ok: bool  # False: the learner's model spec differs from the job's
+    previous: str  # the incarnation this one replaces ("" if none)
+    initializer: bool  # the job has no parameters yet and this learner is to send them
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,7 @@ class Store(Protocol):
     async def register_spec(self, spec_json: str) -> str: ...
     async def hello(
         self, spec_json: str, learner: str, incarnation: str, ttl_s: float, step: int
-    ) -> tuple[bool, str]: ...
+    ) -> Hello: ...
     async def heartbeat(
         self, learner: str, incarnation: str, ttl_s: float, **fields: float
     ) -> int | None: ...
@@ -186,14 +194,23 @@ class RedisStore:
 
     async def hello(
         self, spec_json: str, learner: str, incarnation: str, ttl_s: float, step: int
-    ) -> tuple[bool, str]:
+    ) -> Hello:
         reply = await self._run(
             "hello",
-            [self.key("spec"), self.key("learners"), self.key("learner", learner), self.key("ema")],
-            [spec_json, learner, incarnation, int(ttl_s * 1000), step],
+            [
+                self.key("spec"),
+                self.key("learners"),
+                self.key("learner", learner),
+                self.key("ema"),
+                self.key("init"),
+                self.key("init_claim"),
+            ],
+            [spec_json, learner, incarnation, int(ttl_s * 1000), step, int(INIT_CLAIM_S * 1000)],
         )
-        status, detail = _b(reply[0]), _b(reply[1])
-        return status == b"ok", detail.decode()
+        status, detail = _b(reply[0]), _b(reply[1]).decode()
+        if status != b"ok":
+            return Hello(False, "", False)
+        return Hello(True, detail, bool(int(reply[2])))
 
     async def heartbeat(
         self, learner: str, incarnation: str, ttl_s: float, **fields: float
@@ -202,6 +219,7 @@ class RedisStore:
         args = [learner, incarnation, int(ttl_s * 1000)]
         args += [repr(float(fields[k])) for k in ("step", "ema", "tokens_s", "loss", "eval_loss")]
         args.append(int(fields.get("done", 0)))
+        args.append(int(fields.get("last_sent", 0)))
         keys = [
             self.key("learners"),
             self.key("learner", learner),

@@ -130,6 +130,41 @@ def test_a_retried_update_is_acknowledged_and_not_applied_twice(
         c.close()
 
 
+def test_a_retry_of_a_still_pending_update_keeps_it_and_it_merges_once(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    # Sync mode with two learners: l0's update waits for l1's, and l0 retries it meanwhile
+    # (as after a reconnect to another replica). The retry once deleted the pending update's
+    # payload, so the acknowledged update was never merged.
+    sync = spawn_synchronizer("--fragments", "2", "--mode", "sync", "--quorum", "2")
+    c0, c1 = (support.client([sync.address], f"l{i}") for i in range(2))
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c0, 2)
+        n = support.layout(2).fragments[1].num_elements
+        payload = codecs.by_name("int8").encode(np.ones(n, np.float32), 256)
+        chunks = support.chunks_for(
+            1, payload, codec=fragment_pb2.CODEC_INT8, block_size=256, num_elements=n, seq=700
+        )
+        c0.send_raw(chunks)
+        assert c0.wait_ack(700, 10).status == session_pb2.ACK_STATUS_ACCEPTED
+        c0.stats.acks.pop(700)
+        c0.send_raw(chunks)
+        assert c0.wait_ack(700, 10).status == session_pb2.ACK_STATUS_DUPLICATE
+        uid = f"l0/{c0.incarnation}/700"
+        assert r.get(support.key("payload", 1, uid)) == payload
+        assert r.ttl(support.key("payload", 1, uid)) == -1, "a pending payload never expires"
+        c1.wait_ack(support.send_delta(c1, 1, 2, 0, seed=5), 10)
+        wait_until(lambda: support.version(r, 1) == 1, what="the round of both learners")
+        assert sorted(support.commit_log(r, 1)[0]["uids"]) == sorted(  # type: ignore[arg-type]
+            [uid, f"l1/{c1.incarnation}/{max(c1.stats.acks)}"]
+        )
+        assert r.hlen(support.key("pmeta", 1)) == 0
+    finally:
+        c0.close()
+        c1.close()
+
+
 N0 = support.layout(2).fragments[0].num_elements
 
 
@@ -344,3 +379,63 @@ def test_learners_rebuild_every_global_version_bit_for_bit_from_compressed_delta
     finally:
         for c in (c0, c1):
             c.close()
+
+
+def test_a_joiner_holding_the_initial_values_gets_them_confirmed_not_sent(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer("--fragments", "2", "--quorum", "2", "--grace-seconds", "0")
+    c0, c1 = (support.client([sync.address], f"l{i}") for i in range(2))
+    lay = support.layout(2)
+    mine = {p: lay.gather(p, support.initial_params(0)) for p in range(2)}
+    try:
+        support.initialize(c0, 2)
+        before = c1.stats.bytes_down
+        same = c1.fetch_state(held=mine)
+        unchanged_bytes = c1.stats.bytes_down - before
+        for g in same:
+            np.testing.assert_array_equal(g.values, mine[g.fragment])
+        # A different initialization (another seed) is not the job's: sent whole.
+        other = {p: lay.gather(p, support.initial_params(1)) for p in range(2)}
+        before = c1.stats.bytes_down
+        sent = c1.fetch_state(held=other)
+        whole_bytes = c1.stats.bytes_down - before
+        for g in sent:
+            np.testing.assert_array_equal(g.values, mine[g.fragment])
+        assert unchanged_bytes < 200 < 4 * sum(v.size for v in mine.values()) <= whole_bytes
+        # Once a fragment has moved, the initial values no longer match it.
+        c0.wait_ack(support.send_delta(c0, 0, 2, 0, seed=1), 10)
+        c1.wait_ack(support.send_delta(c1, 0, 2, 0, seed=2), 10)
+        r = redis.Redis(port=redis_server.port)
+        wait_until(lambda: support.version(r, 0) == 1, what="fragment 0 to merge")
+        moved = {g.fragment: g for g in c1.fetch_state(held=mine)}
+        assert moved[0].version == 1
+        assert not np.array_equal(moved[0].values, mine[0])
+        np.testing.assert_array_equal(moved[1].values, mine[1])
+    finally:
+        for c in (c0, c1):
+            c.close()
+
+
+def test_one_joining_learner_at_a_time_is_asked_for_the_initial_parameters(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer("--fragments", "2")
+    first = support.client([sync.address], "l0")
+    second = support.client([sync.address], "l1")
+    try:
+        assert first.welcome is not None
+        assert second.welcome is not None
+        assert not first.welcome.initialized
+        assert first.welcome.initializer
+        assert not second.welcome.initialized
+        assert not second.welcome.initializer  # l0 holds the claim: l1 waits for its values
+        support.initialize(first, 2)
+        later = support.client([sync.address], "l2")
+        assert later.welcome is not None
+        assert later.welcome.initialized
+        assert not later.welcome.initializer
+        later.close()
+    finally:
+        first.close()
+        second.close()

@@ -2,7 +2,9 @@
 -- Returns the inner steps of all learner slots together (each slot's newest step count), or
 -- -1 when the lease was not renewed.
 -- KEYS: learners, learner, ema, slot_steps, finished
--- ARGV: id, incarnation, ttl_ms, step, ema_s, tokens_s, loss, eval, done
+-- ARGV: id, incarnation, ttl_ms, step, ema_s, tokens_s, loss, eval, done, last_sent
+-- `finished` holds the learners that sent their last update (rounds stop waiting for them);
+-- the learner's `done` says it also finished its final sync (the run's end waits for that).
 if redis.call('HGET', KEYS[2], 'incarnation') ~= ARGV[2] then return -1 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -11,7 +13,7 @@ redis.call('HSET', KEYS[2], 'updated_ms', now, 'step', ARGV[4], 'step_time_ema_s
 if tonumber(ARGV[5]) > 0 then redis.call('HSET', KEYS[3], ARGV[1], ARGV[5]) end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('HSET', KEYS[4], ARGV[1], math.floor(tonumber(ARGV[4])))
-if ARGV[9] == '1' then redis.call('SADD', KEYS[5], ARGV[1]) else redis.call('SREM', KEYS[5], ARGV[1]) end
+if ARGV[10] == '1' then redis.call('SADD', KEYS[5], ARGV[1]) else redis.call('SREM', KEYS[5], ARGV[1]) end
 local total = 0
 for _, steps in ipairs(redis.call('HVALS', KEYS[4])) do total = total + tonumber(steps) end
 return total

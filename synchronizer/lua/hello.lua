@@ -1,6 +1,10 @@
 -- A learner (re)joins: the first learner's parameter spec becomes the job's; later ones must
--- match it. The newest incarnation of a learner id owns its lease.
--- KEYS: spec, learners, learner, ema   ARGV: spec_json, id, incarnation, ttl_ms, step
+-- match it. The newest incarnation of a learner id owns its lease. While the job has no
+-- parameters, one learner at a time holds the claim to send them (for claim_ms), so the
+-- others wait for them instead of all uploading the whole model.
+-- KEYS: spec, learners, learner, ema, init, init_claim
+-- ARGV: spec_json, id, incarnation, ttl_ms, step, claim_ms
+-- Returns: status, previous incarnation (or the job's spec on a mismatch), holds the claim
 local stored = redis.call('GET', KEYS[1])
 if not stored then
   redis.call('SET', KEYS[1], ARGV[1])
@@ -15,4 +19,9 @@ redis.call('HSET', KEYS[3], 'incarnation', ARGV[3], 'joined_ms', now, 'updated_m
 redis.call('HINCRBY', KEYS[3], 'joins', 1)
 redis.call('HDEL', KEYS[4], ARGV[2])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[2])
-return {'ok', previous}
+local claimed = 0
+if redis.call('EXISTS', KEYS[5]) == 0 then
+  redis.call('SET', KEYS[6], ARGV[2], 'NX', 'PX', tonumber(ARGV[6]))
+  if redis.call('GET', KEYS[6]) == ARGV[2] then claimed = 1 end
+end
+return {'ok', previous, claimed}

@@ -1,7 +1,7 @@
 -- Read one fragment's open round and the live learners, at one instant of Redis time.
 -- KEYS: round, contrib, learners, ema, stats, finished
 -- Returns: now_ms, opened_ms, quorum_ms, deadline_ms, contributors, live, slowest_ema, t_sync,
---          finished (live learners done with their final sync)
+--          finished (live learners that have sent their last update)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local r = redis.call('HMGET', KEYS[1], 'opened_ms', 'quorum_ms', 'deadline_ms')

@@ -143,11 +143,14 @@ class GlobalFragmentChunk(_message.Message):
     DATA_FIELD_NUMBER: _builtins.int
     DELTA_FIELD_NUMBER: _builtins.int
     BASE_VERSION_FIELD_NUMBER: _builtins.int
+    UNCHANGED_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     chunk_index: _builtins.int
     data: _builtins.bytes
     delta: _builtins.bool
     base_version: _builtins.int
+    unchanged: _builtins.bool
+    """equal to the value the request said it holds: no data"""
     @_builtins.property
     def header(self) -> Global___PayloadHeader: ...
     def __init__(
@@ -159,10 +162,11 @@ class GlobalFragmentChunk(_message.Message):
         data: _builtins.bytes = ...,
         delta: _builtins.bool = ...,
         base_version: _builtins.int = ...,
+        unchanged: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "chunk_index", b"chunk_index", "data", b"data", "delta", b"delta", "header", b"header", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "chunk_index", b"chunk_index", "data", b"data", "delta", b"delta", "header", b"header", "unchanged", b"unchanged", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

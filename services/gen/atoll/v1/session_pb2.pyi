@@ -178,9 +178,14 @@ class Welcome(_message.Message):
     VERSIONS_FIELD_NUMBER: _builtins.int
     INITIALIZED_FIELD_NUMBER: _builtins.int
     SYNCHRONIZER_ID_FIELD_NUMBER: _builtins.int
+    INITIALIZER_FIELD_NUMBER: _builtins.int
     initialized: _builtins.bool
-    """false: send initial parameters (kind INITIAL)"""
+    """false: the job has no parameters yet"""
     synchronizer_id: _builtins.str
+    initializer: _builtins.bool
+    """Not initialized, and this learner holds the claim to send the initial parameters (kind
+    INITIAL); the others wait for them (and send their own if none come in time).
+    """
     @_builtins.property
     def config(self) -> Global___JobConfig: ...
     @_builtins.property
@@ -199,10 +204,11 @@ class Welcome(_message.Message):
         versions: _abc.Iterable[_builtins.int] | None = ...,
         initialized: _builtins.bool = ...,
         synchronizer_id: _builtins.str = ...,
+        initializer: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "initialized", b"initialized", "params", b"params", "synchronizer_id", b"synchronizer_id", "versions", b"versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "initialized", b"initialized", "initializer", b"initializer", "params", b"params", "synchronizer_id", b"synchronizer_id", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -218,6 +224,7 @@ class Heartbeat(_message.Message):
     LOSS_FIELD_NUMBER: _builtins.int
     EVAL_LOSS_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
+    LAST_SENT_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     step_time_ema_s: _builtins.float
     tokens_per_s: _builtins.float
@@ -226,6 +233,8 @@ class Heartbeat(_message.Message):
     """NaN when not measured yet"""
     done: _builtins.bool
     """finished its steps and its final sync"""
+    last_sent: _builtins.bool
+    """finishing: its last updates are sent, no more will come"""
     def __init__(
         self,
         *,
@@ -235,10 +244,11 @@ class Heartbeat(_message.Message):
         loss: _builtins.float = ...,
         eval_loss: _builtins.float = ...,
         done: _builtins.bool = ...,
+        last_sent: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "eval_loss", b"eval_loss", "loss", b"loss", "step", b"step", "step_time_ema_s", b"step_time_ema_s", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "eval_loss", b"eval_loss", "last_sent", b"last_sent", "loss", b"loss", "step", b"step", "step_time_ema_s", b"step_time_ema_s", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -22,22 +22,51 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class FetchStateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class HeldEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_FIELD_NUMBER: _builtins.int
     FRAGMENTS_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     @_builtins.property
     def fragments(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """empty: every fragment"""
+
+    @_builtins.property
+    def held(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]:
+        """Fragment -> XXH3-64 of the float32 values the learner already holds (a joining learner
+        initialized from the same seed holds the job's initial values). A fragment whose current
+        value has that checksum comes back as one chunk without data, marked `unchanged`.
+        """
 
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
         fragments: _abc.Iterable[_builtins.int] | None = ...,
+        held: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragments", b"fragments", "job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragments", b"fragments", "held", b"held", "job", b"job"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
