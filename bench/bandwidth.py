@@ -54,6 +54,10 @@ def run(settings: BandwidthBench) -> None:
                         codec,
                         "--quorum",
                         str(settings.quorum),
+                        "--outer-lr",
+                        str(settings.outer_lr),
+                        "--outer-momentum",
+                        str(settings.outer_momentum),
                     ],
                 )
                 done = max(1, sum(p["steps"] for p in report["per_learner"]))
@@ -83,6 +87,8 @@ def run(settings: BandwidthBench) -> None:
             "learners": m,
             "steps": steps,
             "quorum": settings.quorum,
+            "outer_lr": settings.outer_lr,
+            "outer_momentum": settings.outer_momentum,
             "baseline": baseline,
             "runs": runs,
             "best": best,

@@ -106,6 +106,14 @@ class BandwidthBench(_Model, _Output):
     )
     eval_batches: int = Field(16, ge=1, description="eval batches (x batch size sequences)")
     seed: int = Field(0, description="initialization and data seed")
+    outer_lr: float = Field(0.7, gt=0.0, description="outer learning rate of the decoupled runs")
+    outer_momentum: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="outer Nesterov momentum of the decoupled runs (DiLoCo's 0.9 suits "
+        "full rounds at large H)",
+    )
 
     def cli_cmd(self) -> None:
         from bench.bandwidth import run
