@@ -13,13 +13,14 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import numpy as np
 import structlog
+from google.protobuf.message import Message
 
 from services import codec as codecs
 from services import telemetry as tm
@@ -57,7 +58,7 @@ class _Outgoing:
 Outbound = session_pb2.LearnerMessage | bytes
 
 
-def _serialize(message: Outbound) -> bytes:
+def _serialize(message: Message | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
@@ -298,17 +299,11 @@ class SynchronizerClient:
         return out
 
     # --- the session thread -------------------------------------------------------------
-    def _method(
-        self,
-        kind: str,
-        name: str,
-        response: Any,
-        serialize: Callable[[Any], bytes] = _serialize,
-    ) -> Any:
+    def _method(self, kind: str, name: str, response: Any) -> Any:
         """A call of the synchronizer service whose messages count their bytes on the way."""
         return getattr(self._channel, kind)(
             f"/{SERVICE}/{name}",
-            request_serializer=counting_serializer(serialize, self._count_up),
+            request_serializer=counting_serializer(_serialize, self._count_up),
             response_deserializer=counting_parser(response.FromString, self._count_down),
         )
 

@@ -463,7 +463,7 @@ class Learner:
             loss=self.loss,
             eval_loss=self.eval_loss,
             done=done,
-            last_sent=last_sent or done,
+            last_sent=last_sent,  # the synchronizer takes `done` as saying it too
         )
         self._save_position()
 
