@@ -71,6 +71,7 @@ class LocalCluster:
         self.injected: list[dict[str, Any]] = []
         self._later: list[tuple[float, str, Child]] = []  # (time, action, child)
         self._down: set[str] = set()  # children a fault stopped on purpose
+        self._ended_dead: set[str] = set()  # learner slots the job's end found dead
         self._training_since: float | None = None
         self.tape = Tape(settings.tape, "cluster")
         self.proxy: FaultProxy | None = None
@@ -280,12 +281,13 @@ class LocalCluster:
                 and c.process is not None
                 and c.process.returncode != 0
                 and c.name not in self._down
+                and c.name not in self._ended_dead
             ]
             if failed:
                 raise RuntimeError(f"{failed[0].name} failed:\n{failed[0].tail()}")
             if not any(c.alive() for c in self.learners) and not self._down:
                 return state
-            all_done = state.learners_done >= self.s.learners and state.pending == 0
+            all_done = self._finished(state) and state.pending == 0
             if all_done and self.training_ended is None:
                 self.training_ended = time.time()
                 self.tape.write("training_ended", versions=state.versions)
@@ -295,6 +297,24 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run did not finish within --timeout-s {self.s.timeout_s}")
             time.sleep(0.5)
+
+    def _finished(self, state: ClusterState) -> bool:
+        """Every learner has finished; or the job's step budget is spent, every live learner
+        has finished, and the others are dead. Those are not brought back to send their last
+        few steps (the live ones would idle while they come back): their slots end dead."""
+        if state.learners_done + len(self._ended_dead) >= self.s.learners:
+            return True
+        if not self.job_steps or not state.learners_done:
+            return False
+        dead = [c for c in self.learners if c.name in self._down]
+        if state.learners_done + len(self._ended_dead) + len(dead) < self.s.learners:
+            return False
+        for c in dead:
+            self._down.discard(c.name)
+            self._later = [x for x in self._later if x[2] is not c]
+            self._ended_dead.add(c.name)
+            self.tape.write("not_restarted", **self._whom(c))
+        return True
 
     # --- stop -----------------------------------------------------------------------------
     def stop(self) -> None:

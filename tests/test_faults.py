@@ -53,6 +53,22 @@ def test_a_killed_learner_rejoins_and_its_later_updates_are_merged(tmp_path: Pat
     assert abs(figures["simulated_goodput"] - report["goodput"]) <= 0.03, figures
 
 
+def test_the_job_ends_when_its_budget_is_spent_without_waiting_for_a_dead_learner(
+    tmp_path: Path,
+) -> None:
+    # learner-1 is down for far longer than the others need to spend the budget: the run ends
+    # without it (well inside the 400 s the helper allows), and nothing it had acknowledged is
+    # lost.
+    report = up(
+        tmp_path, "--learners", "3", *FAST, "--chaos", "learner-kill:at=5s,down=900s,victim=1"
+    )
+    check(report, 1)
+    kinds = [(e["kind"], e.get("learner")) for e in report["_tape"] if e["who"] == "cluster"]
+    assert ("not_restarted", "learner-1") in kinds
+    assert ("restarted", "learner-1") not in kinds
+    assert report["wall_seconds"] < 300
+
+
 def test_a_paused_learner_does_not_stop_the_others(tmp_path: Path) -> None:
     report = up(
         tmp_path, "--learners", "3", *FAST, "--chaos", "learner-pause:at=5s,for=8s,victim=0"
