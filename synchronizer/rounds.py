@@ -73,9 +73,11 @@ def decide(
     if state.contributors == 0:
         return Decision(merge_now=False)
     training = state.live_learners - state.finished_learners
-    if policy.mode == "decoupled" and state.live_learners and training <= 0:
+    if state.live_learners and training <= 0:
         # Every live learner has sent its last update: nothing more is coming, so waiting
-        # (for quorum or grace) only delays the end. Merge what is left now.
+        # (for quorum or grace) only delays the end, or, in sync mode, never ends (a learner
+        # restored near the end sends a last update after the others finished). Merge what
+        # is left now.
         return Decision(merge_now=True)
     if policy.mode == "decoupled":
         k = required_quorum(policy, training)

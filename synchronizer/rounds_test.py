@@ -74,3 +74,7 @@ def test_when_every_live_learner_has_finished_what_is_left_merges_below_quorum()
     # A grace window still open when the last learner finishes is not waited out.
     waiting = RoundState(2, 4, 0.0, 9.0, 14.0, 10.0, finished_learners=4)
     assert decide(waiting, policy, slowest_step_s=1.0, t_sync_s=0.0).merge_now
+    # Sync mode too: one learner's last update, sent after the others finished, merges.
+    sync = RoundPolicy("sync", 4, 5, 0.8, None)
+    assert decide(last, sync, slowest_step_s=1.0, t_sync_s=0.0).merge_now
+    assert not decide(training, sync, slowest_step_s=1.0, t_sync_s=0.0).merge_now
