@@ -100,6 +100,16 @@ def test_quorum_two_of_three_and_a_late_update_is_folded_into_the_next_round(
             c.close()
 
 
+def _ones_for_fragment_1(seq: int) -> tuple[bytes, list[session_pb2.UpdateChunk]]:
+    """An int8 update of all ones for fragment 1 of 2, and its chunks with this seq."""
+    n = support.layout(2).fragments[1].num_elements
+    payload = codecs.by_name("int8").encode(np.ones(n, np.float32), 256)
+    chunks = support.chunks_for(
+        1, payload, codec=fragment_pb2.CODEC_INT8, block_size=256, num_elements=n, seq=seq
+    )
+    return payload, chunks
+
+
 def test_a_retried_update_is_acknowledged_and_not_applied_twice(
     spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
 ) -> None:
@@ -108,11 +118,7 @@ def test_a_retried_update_is_acknowledged_and_not_applied_twice(
     r = redis.Redis(port=redis_server.port)
     try:
         support.initialize(c, 2)
-        n = support.layout(2).fragments[1].num_elements
-        payload = codecs.by_name("int8").encode(np.ones(n, np.float32), 256)
-        chunks = support.chunks_for(
-            1, payload, codec=fragment_pb2.CODEC_INT8, block_size=256, num_elements=n, seq=500
-        )
+        _, chunks = _ones_for_fragment_1(seq=500)
         c.send_raw(chunks)
         assert c.wait_ack(500, 10).status == session_pb2.ACK_STATUS_ACCEPTED
         wait_until(lambda: support.version(r, 1) == 1)
@@ -141,11 +147,7 @@ def test_a_retry_of_a_still_pending_update_keeps_it_and_it_merges_once(
     r = redis.Redis(port=redis_server.port)
     try:
         support.initialize(c0, 2)
-        n = support.layout(2).fragments[1].num_elements
-        payload = codecs.by_name("int8").encode(np.ones(n, np.float32), 256)
-        chunks = support.chunks_for(
-            1, payload, codec=fragment_pb2.CODEC_INT8, block_size=256, num_elements=n, seq=700
-        )
+        payload, chunks = _ones_for_fragment_1(seq=700)
         c0.send_raw(chunks)
         assert c0.wait_ack(700, 10).status == session_pb2.ACK_STATUS_ACCEPTED
         c0.stats.acks.pop(700)
