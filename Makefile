@@ -19,10 +19,11 @@ proto: $(STAMP)  ## regenerate services/gen from proto/
 	rm -rf services/gen
 	$(PY) -m services.protogen
 
-lint: $(STAMP)  ## ruff, formatting and mypy strict
+lint: $(STAMP)  ## ruff, formatting, mypy strict and the import layers
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy atoll services learner synchronizer cluster bench sim
+	$(VENV)/bin/lint-imports
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

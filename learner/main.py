@@ -44,7 +44,7 @@ def run(settings: LearnerSettings) -> None:
 
     from learner import workload
     from learner.trainer import Learner, install_stop_handler, write_report
-    from synchronizer.server import split_hostport
+    from services.grpcopts import split_hostport
 
     if settings.metrics_listen:
         host, port = split_hostport(settings.metrics_listen)

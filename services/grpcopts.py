@@ -1,4 +1,4 @@
-"""gRPC options both services use: message limits, keepalive and reconnect backoff."""
+"""gRPC options both services use: message limits, keepalive, reconnect backoff, addresses."""
 
 from __future__ import annotations
 
@@ -51,3 +51,10 @@ def backoff_delays(
     while True:
         yield min(max_s, current) * (1.0 + rng.uniform(-jitter, jitter))
         current = min(max_s, current * multiplier)
+
+
+def split_hostport(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
+    return host.strip("[]"), int(port)

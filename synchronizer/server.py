@@ -18,19 +18,12 @@ from redis.exceptions import RedisError
 
 from services import telemetry as tm
 from services.config import JobConfig, SynchronizerSettings
-from services.grpcopts import server_options
+from services.grpcopts import server_options, split_hostport
 from synchronizer.service import SERVICE_NAME, SynchronizerService
 from synchronizer.store import StoreError, open_store
 
 log = structlog.get_logger("atoll.synchronizer")
 DRAIN_SECONDS = 5.0
-
-
-def split_hostport(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address {address!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
-    return host.strip("[]"), int(port)
 
 
 async def _watch_store(service: SynchronizerService, health_servicer: HealthServicer) -> None:
