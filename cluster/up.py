@@ -204,7 +204,10 @@ class LocalCluster:
                 (a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addresses.split(",")
             ]
             self.proxy = FaultProxy(self.s.learners, upstreams).start()
-        model_args = flags(self.s, ModelConfig.model_fields)
+        # Every learner evaluates the same global model: they take turns, so the cluster
+        # evaluates about every --eval-every steps and no learner spends M times that.
+        model_args = flags(self.s, [f for f in ModelConfig.model_fields if f != "eval_every"])
+        turns = self.s.eval_every * self.s.learners
         speeds = self.s.speeds or [1.0] * self.s.learners
         if len(speeds) != self.s.learners:
             raise ValueError(f"--speeds gives {len(speeds)} values for {self.s.learners} learners")
@@ -220,6 +223,10 @@ class LocalCluster:
             args = atoll_command(
                 "learner",
                 *model_args,
+                "--eval-every",
+                str(turns),
+                "--eval-offset",
+                str(i * self.s.eval_every),
                 "--synchronizer",
                 ",".join(order),
                 "--id",

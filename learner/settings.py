@@ -37,7 +37,12 @@ class ModelConfig(BaseModel):
         0.02, gt=0.0, lt=0.5, description="share of the text held out for evaluation"
     )
     threads: int = Field(1, ge=1, le=256, description="CPU threads for JAX/XLA in this learner")
-    eval_every: int = Field(50, ge=0, description="steps between evals of the global model; 0 off")
+    eval_every: int = Field(
+        50,
+        ge=0,
+        description="steps between evals of the global model; 0 off (atoll up: the learners "
+        "take turns, so the cluster evaluates about this often, not each learner)",
+    )
     eval_batches: int = Field(4, ge=1, description="batches per eval")
 
 
@@ -76,6 +81,12 @@ class LearnerSettings(ModelConfig, AtollSettings):
         ge=0.0,
         description="at least this long between two local checkpoints, so fast steps do not "
         "spend their time writing them (a restart loses at most about this much work)",
+    )
+    eval_offset: int = Field(
+        0,
+        ge=0,
+        description="evaluate at the steps where step modulo --eval-every equals this, so the "
+        "learners of a job can take turns evaluating the same global model",
     )
     speed: float = Field(
         1.0, gt=0.0, le=1.0, description="artificial slowdown: 0.25 makes steps 4x slower"

@@ -293,7 +293,8 @@ class Learner:
                 self._send(p)
                 if self.mode == "sync":
                     self._wait_for(p, source="waiting")
-        if self.s.eval_every and self.step % self.s.eval_every == 0:
+        turn = self.s.eval_every
+        if turn and self.step % turn == self.s.eval_offset % turn:
             self._evaluate()
         every = self.s.checkpoint_every
         due = self.s.state_dir is not None and every and self.step % every == 0
