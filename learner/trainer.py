@@ -62,10 +62,11 @@ class Learner:
         self.s = settings
         self.w = workload
         self.incarnation = uuid.uuid4().hex
-        self.named = Named.of(workload.params)
-        flat = self.named.flatten(workload.params)
+        shapes = workload.shapes()
+        self.named = Named.of(shapes)
         self.specs = [
-            LeafSpec(n, tuple(int(d) for d in v.shape), "float32") for n, v in flat.items()
+            LeafSpec(n, tuple(int(d) for d in v.shape), "float32")
+            for n, v in self.named.flatten(shapes).items()
         ]
         self.timeline = Timeline()
         tm.LEARNER_PARAMETERS.set(sum(s.size for s in self.specs))
@@ -115,10 +116,14 @@ class Learner:
         self.codec = codecs.by_wire(cfg.codec)
         self.block_size = cfg.block_size
         self.layout: FragmentLayout = fragment_layout(self.specs, self.P)
-        flat = {k: np.asarray(v, np.float32) for k, v in self.named.flatten(self.w.params).items()}
         # Fragments still at the value this learner initialized (same model and seed) are
-        # not sent again: only their checksums travel.
-        mine = {p: self.layout.gather(p, flat) for p in range(self.P)}
+        # not sent again: only their checksums travel. Once the job has moved on, this
+        # learner's initial values can match nothing: they are not even made.
+        mine: dict[int, np.ndarray] = {}
+        if not welcome.initialized or not any(welcome.versions):
+            made = self.named.flatten(self.w.initial()).items()
+            flat = {k: np.asarray(v, np.float32) for k, v in made}
+            mine = {p: self.layout.gather(p, flat) for p in range(self.P)}
         fetched: list[GlobalFragment] | None = None
         if not welcome.initialized and not welcome.initializer:
             fetched = self._await_initial(mine)  # another learner is sending them
@@ -140,6 +145,7 @@ class Learner:
             self.block_size,
             keep_progress=cfg.keep_overlap_progress,
         )
+        flat = {}
         for g in globals_:
             flat.update(self.layout.scatter(g.fragment, g.values))
         self.params = jax.device_put({k: jnp.asarray(v) for k, v in flat.items()}, self.replicated)
@@ -181,7 +187,6 @@ class Learner:
             end_value=self.s.lr * 0.1,
         )
         self.tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=self.s.weight_decay)
-        self.opt_state = jax.device_put(self.tx.init(self.params), self.replicated)
         tx = self.tx
 
         def flat_loss(params: dict[str, jax.Array], batch: jax.Array) -> jax.Array:
@@ -211,7 +216,7 @@ class Learner:
     # --- the loop -------------------------------------------------------------------------
     def start_alone(self) -> None:
         """--standalone: no synchronizer, the inner loop only (the overlap baseline)."""
-        flat = self.named.flatten(self.w.params)
+        flat = self.named.flatten(self.w.initial())
         self.params = jax.device_put(dict(flat), self.replicated)
         log.info("standalone", learner=self.s.id)
 
@@ -224,6 +229,7 @@ class Learner:
         self.compile()
         restored = not self.s.standalone and self._restore()
         if not restored:
+            self.opt_state = jax.device_put(self.tx.init(self.params), self.replicated)
             self._load_position()
         self._badput("startup", time.monotonic() - start)
         if not self.s.standalone:
@@ -593,7 +599,7 @@ class Learner:
             theta = f.carry_onto(self.layout.gather(p, flat), value, version)
             flat.update(self.layout.scatter(p, theta))
         self.params = jax.device_put({k: jnp.asarray(v) for k, v in flat.items()}, self.replicated)
-        structure = jax.tree.structure(self.opt_state)
+        structure = jax.tree.structure(jax.eval_shape(self.tx.init, self.params))
         self.opt_state = jax.device_put(
             jax.tree.unflatten(structure, [jnp.asarray(x) for x in loaded.opt_leaves]),
             self.replicated,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -28,11 +29,28 @@ FlatParams = dict[str, jax.Array]
 
 @dataclass
 class Workload:
-    params: Any  # pytree of float32 arrays
+    """`params`: the initial parameters, or a function that makes them. A function is called
+    only when the values are needed (the first learner of a job sends them; a learner joining
+    a job still at its initial values compares them): a restarted learner that restores its
+    checkpoint and fetches the global model never spends time making values it overwrites."""
+
+    params: Any  # pytree of float32 arrays, or a function returning one
     loss_fn: Callable[[Any, jax.Array], jax.Array]
     batches: Batches
     eval_batches: list[np.ndarray]
     tokens_per_batch: int
+
+    def initial(self) -> Any:
+        """The initial parameters (made once, on first use)."""
+        if callable(self.params):
+            self.params = self.params()
+        return self.params
+
+    def shapes(self) -> Any:
+        """The parameters' shapes and dtypes, without making their values."""
+        if callable(self.params):
+            return jax.eval_shape(self.params)
+        return jax.eval_shape(lambda: self.params)
 
 
 def _name(path: tuple[Any, ...]) -> str:
@@ -77,7 +95,7 @@ def builtin(settings: LearnerSettings) -> Workload:
         seed=settings.seed * 100_003 + shard,
     )
     return Workload(
-        params=init_params(cfg, settings.seed),
+        params=partial(init_params, cfg, settings.seed),
         loss_fn=make_loss(cfg),
         batches=batches,
         eval_batches=eval_batches(
