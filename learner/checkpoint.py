@@ -5,8 +5,14 @@ send. With it (`--state-dir`), the slot writes, every `--checkpoint-every` steps
 every step, at most one per `--checkpoint-seconds`, and none while the last is still being
 written), its parameters, its inner optimizer state, each fragment's outer bookkeeping
 (anchor, version, counters, error-feedback residual, the update in flight) and its place in
-the data, in one file replaced atomically. A new incarnation of the slot restores it after
-joining, so only the steps since the last checkpoint are lost.
+the data. A new incarnation of the slot restores it after joining, so only the steps since
+the last checkpoint are lost.
+
+Storage: two files written in turn, each overwritten in place (a safetensors body behind a
+small header with a sequence number and the body's checksum, the header written last). A
+kill mid-write leaves that file's checksum wrong and the other file whole; overwriting in
+place reuses the file's blocks and cached pages, where writing a new file and renaming it
+over the old one allocated and discarded a whole checkpoint's worth each second.
 
 On rejoining, every restored fragment moves onto the job's current value, keeping the
 progress made since its anchor (`FragmentState.carry_onto`), so the learner trains the
@@ -18,20 +24,24 @@ made after it was taken.
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import zipfile
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load, save
 
 from learner.outer import FragmentState
+from services.codec import checksum
 
-FORMAT = 1
+FORMAT = 2
+MAGIC = b"atollck2"
+HEADER = struct.Struct("<8sQQQ")  # magic, sequence, body length, checksum of the body
 
 
 @dataclass
@@ -85,22 +95,6 @@ def restore_fragment(
     f.due = bool(record["due"])
 
 
-def write(path: Path, snap: Snapshot) -> None:
-    """One file, replaced atomically: a kill mid-write leaves the previous checkpoint."""
-    arrays = dict(snap.arrays)
-    arrays.update({f"param/{k}": v for k, v in snap.params.items()})
-    arrays.update({f"opt/{i}": v for i, v in enumerate(snap.opt_leaves)})
-    meta = {**snap.meta, "format": FORMAT, "fragment_states": snap.fragments}
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
-    buffer = io.BytesIO()
-    np.savez(buffer, allow_pickle=False, **arrays)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("wb") as f:
-        f.write(buffer.getbuffer())
-    os.replace(tmp, path)
-
-
 @dataclass
 class Loaded:
     meta: dict[str, Any]
@@ -113,16 +107,70 @@ class Loaded:
         return list(self.meta["fragment_states"])
 
 
-def read(path: Path) -> Loaded | None:
-    """The checkpoint at `path`, or None if there is none or it cannot be read."""
-    if not path.exists():
-        return None
+class Slots:
+    """A slot's checkpoint files: `<stem>.0` and `<stem>.1`, written in turn."""
+
+    def __init__(self, stem: Path) -> None:
+        self.paths = (stem.with_name(stem.name + ".0"), stem.with_name(stem.name + ".1"))
+        self._sequence: int | None = None  # of the newest whole checkpoint
+
+    def read(self) -> Loaded | None:
+        """The newest whole checkpoint, or None if there is none."""
+        newest: tuple[int, bytes] | None = None
+        for path in self.paths:
+            found = _body(path)
+            if found is not None and (newest is None or found[0] > newest[0]):
+                newest = found
+        self._sequence = 0 if newest is None else newest[0]
+        return None if newest is None else _parse(newest[1])
+
+    def write(self, snap: Snapshot) -> None:
+        """Overwrite the older file (never the newest whole one) with this checkpoint."""
+        if self._sequence is None:
+            self.read()
+        assert self._sequence is not None
+        sequence = self._sequence + 1
+        arrays = dict(snap.arrays)
+        arrays.update({f"param/{k}": v for k, v in snap.params.items()})
+        arrays.update({f"opt/{i}": np.asarray(v) for i, v in enumerate(snap.opt_leaves)})
+        meta = {**snap.meta, "format": FORMAT, "fragment_states": snap.fragments}
+        body = save(arrays, metadata={"atoll": json.dumps(meta)})
+        path = self.paths[sequence % 2]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, body, HEADER.size)
+            if os.fstat(fd).st_size > HEADER.size + len(body):
+                os.ftruncate(fd, HEADER.size + len(body))
+            os.pwrite(fd, HEADER.pack(MAGIC, sequence, len(body), checksum(body)), 0)
+        finally:
+            os.close(fd)
+        self._sequence = sequence
+
+
+def _body(path: Path) -> tuple[int, bytes] | None:
+    """(sequence, body) of a whole checkpoint file; None if missing, torn or foreign."""
     try:
-        with np.load(path) as data:
-            arrays = {k: np.array(data[k]) for k in data.files}
-    except (OSError, ValueError, zipfile.BadZipFile, KeyError):
+        data = path.read_bytes()
+    except OSError:
         return None
-    meta = json.loads(arrays.pop("meta").tobytes())
+    if len(data) < HEADER.size:
+        return None
+    magic, sequence, length, expect = HEADER.unpack_from(data)
+    body = data[HEADER.size : HEADER.size + length]
+    if magic != MAGIC or len(body) != length or checksum(body) != expect:
+        return None
+    return int(sequence), body
+
+
+def _parse(body: bytes) -> Loaded | None:
+    try:
+        arrays = load(body)
+        header_len = int.from_bytes(body[:8], "little")
+        header = json.loads(body[8 : 8 + header_len])
+        meta = json.loads(header["__metadata__"]["atoll"])
+    except (SafetensorError, ValueError, KeyError):
+        return None
     if meta.get("format") != FORMAT:
         return None
     params = {k.removeprefix("param/"): v for k, v in arrays.items() if k.startswith("param/")}

@@ -38,9 +38,8 @@ def test_a_checkpoint_round_trips_every_field(tmp_path: Path) -> None:
         fragments=records,
         arrays=arrays,
     )
-    path = tmp_path / "l0.checkpoint.npz"
-    ckpt.write(path, snap)
-    loaded = ckpt.read(path)
+    ckpt.Slots(tmp_path / "l0.checkpoint").write(snap)
+    loaded = ckpt.Slots(tmp_path / "l0.checkpoint").read()
     assert loaded is not None
     assert ckpt.matches(loaded, {"job": "j", "learner": "l0", "fragments": 1}, ["w"]) is None
     assert "job" in (ckpt.matches(loaded, {"job": "other"}, ["w"]) or "")
@@ -60,8 +59,42 @@ def test_a_checkpoint_round_trips_every_field(tmp_path: Path) -> None:
     np.testing.assert_array_equal(g.base, f.base)
 
 
-def test_no_checkpoint_or_a_torn_one_is_none(tmp_path: Path) -> None:
-    assert ckpt.read(tmp_path / "missing.npz") is None
-    torn = tmp_path / "torn.npz"
-    torn.write_bytes(b"PK\x03\x04 not a whole archive")
-    assert ckpt.read(torn) is None
+def _snapshot(step: int, width: int = 3) -> ckpt.Snapshot:
+    return ckpt.Snapshot(
+        meta={"job": "j", "step": step},
+        params={"w": np.full(width, float(step), np.float32)},
+        opt_leaves=[np.asarray(step, np.int32)],
+        fragments=[],
+        arrays={},
+    )
+
+
+def test_the_newest_whole_checkpoint_wins_and_a_torn_one_is_skipped(tmp_path: Path) -> None:
+    stem = tmp_path / "l0.checkpoint"
+    assert ckpt.Slots(stem).read() is None
+    writer = ckpt.Slots(stem)
+    for step in (1, 2, 3):
+        writer.write(_snapshot(step))
+    loaded = ckpt.Slots(stem).read()
+    assert loaded is not None
+    assert loaded.meta["step"] == 3
+    # A kill in the middle of writing step 4 (into the file that held step 2): its body is
+    # half new, its header still step 2's. The file fails its checksum; step 3 is read.
+    older = writer.paths[0]
+    data = bytearray(older.read_bytes())
+    data[ckpt.HEADER.size + 10] ^= 0xFF
+    older.write_bytes(bytes(data))
+    loaded = ckpt.Slots(stem).read()
+    assert loaded is not None
+    assert loaded.meta["step"] == 3
+    # A new writer goes on after the newest whole one and never overwrites it.
+    again = ckpt.Slots(stem)
+    again.write(_snapshot(4, width=2))  # a shorter body: the file is cut to its length
+    loaded = ckpt.Slots(stem).read()
+    assert loaded is not None
+    assert loaded.meta["step"] == 4
+    assert loaded.params["w"].tolist() == [4.0, 4.0]
+    writer.paths[1].write_bytes(b"not a checkpoint")
+    loaded = ckpt.Slots(stem).read()
+    assert loaded is not None
+    assert loaded.meta["step"] == 4

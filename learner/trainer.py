@@ -86,6 +86,7 @@ class Learner:
         self._encoding: list[Future[tuple[int, int, float]]] = []
         self._writing: Future[tuple[int, int, float]] | None = None  # the last checkpoint
         self._last_checkpoint = -math.inf  # when it was taken (monotonic)
+        self._slots: ckpt.Slots | None = None
         self._refetch: set[int] = set()
         devices = jax.devices()
         if settings.batch_size % len(devices):
@@ -542,9 +543,11 @@ class Learner:
         }
 
     # --- the slot's local checkpoint: what a restart goes on from ---------------------------
-    def _checkpoint_path(self) -> Path:
-        assert self.s.state_dir is not None
-        return self.s.state_dir / f"{self.s.id}.checkpoint.npz"
+    def _checkpoints(self) -> ckpt.Slots:
+        if self._slots is None:
+            assert self.s.state_dir is not None
+            self._slots = ckpt.Slots(self.s.state_dir / f"{self.s.id}.checkpoint")
+        return self._slots
 
     def _checkpoint_key(self) -> dict[str, Any]:
         return {"job": self.s.job, "learner": self.s.id, "fragments": self.P, "inner_steps": self.H}
@@ -568,13 +571,13 @@ class Learner:
             fragments=records,
             arrays=arrays,
         )
-        path = self._checkpoint_path()
+        slots = self._checkpoints()
 
         def finish_and_write() -> tuple[int, int, float]:
             for p, f in enumerate(fragments):
                 in_flight = records[p]["awaiting_above"] is not None
                 ckpt.encoder_arrays(p, f, in_flight, snap.arrays)
-            ckpt.write(path, snap)
+            slots.write(snap)
             return -1, -1, 0.0  # not an update: nothing to acknowledge
 
         self._writing = self._encoder.submit(finish_and_write)
@@ -584,7 +587,7 @@ class Learner:
         """Go on from this slot's local checkpoint, if there is one for this job and model."""
         if self.s.state_dir is None or not self.s.checkpoint_every:
             return False
-        loaded = ckpt.read(self._checkpoint_path())
+        loaded = self._checkpoints().read()
         if loaded is None:
             return False
         why = ckpt.matches(loaded, self._checkpoint_key(), list(self.params))
