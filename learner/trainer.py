@@ -473,7 +473,8 @@ class Learner:
             done=done,
             last_sent=last_sent,  # the synchronizer takes `done` as saying it too
         )
-        self._save_position()
+        if not self.s.checkpoint_every:  # a checkpoint holds the position too
+            self._save_position()
 
     # --- the end --------------------------------------------------------------------------
     def final_sync(self) -> None:
