@@ -226,6 +226,7 @@ class SynchronizerClient:
         eval_loss: float,
         done: bool = False,
         last_sent: bool = False,
+        still_to_send: list[int] | None = None,
     ) -> None:
         self.step = step
         outbox = self._outbox
@@ -240,6 +241,8 @@ class SynchronizerClient:
                         eval_loss=eval_loss,
                         done=done,
                         last_sent=last_sent,
+                        finishing=still_to_send is not None,
+                        still_to_send=still_to_send or [],
                     )
                 )
             )

@@ -456,7 +456,9 @@ class Learner:
         """An update's id, as the synchronizer and the commit log name it."""
         return f"{self.s.id}/{self.incarnation}/{seq}"
 
-    def _heartbeat(self, done: bool = False, last_sent: bool = False) -> None:
+    def _heartbeat(
+        self, done: bool = False, last_sent: bool = False, still_to_send: list[int] | None = None
+    ) -> None:
         if self.client.stats.reconnects != self._reconnects_seen:
             self._reconnects_seen = self.client.stats.reconnects
             self.tape.write("reconnected", reconnects=self._reconnects_seen)
@@ -472,21 +474,33 @@ class Learner:
             eval_loss=self.eval_loss,
             done=done,
             last_sent=last_sent,  # the synchronizer takes `done` as saying it too
+            still_to_send=still_to_send,
         )
         if not self.s.checkpoint_every:  # a checkpoint holds the position too
             self._save_position()
 
     # --- the end --------------------------------------------------------------------------
     def final_sync(self) -> None:
-        """Send what every fragment learned since its anchor and adopt the replies."""
-        for p, f in enumerate(self.outer.fragments):
-            if f.in_flight:
-                self._wait_for(p, source="waiting")
+        """Send what every fragment learned since its anchor and adopt the replies.
+
+        Fragments with nothing in flight go at once. One whose update is still in flight
+        sends its later steps once the reply is in. After each send the learner says, in a
+        heartbeat behind the updates on the stream, which fragments it will still send: the
+        synchronizer merges a round as soon as no live learner can add to it, instead of
+        waiting out a quorum or a grace window that nothing more will fill.
+        """
+        fragments = self.outer.fragments
+        for p, f in enumerate(fragments):
             if f.steps and not f.in_flight:
                 self._send(p)
-        # Once the last updates are on the stream, say so (the stream keeps the order): the
-        # synchronizer merges what is left as soon as every live learner has said it,
-        # instead of waiting for a quorum or a grace window that nothing more will fill.
+        later = [p for p, f in enumerate(fragments) if f.in_flight and f.steps]
+        while later:
+            wait(self._encoding)
+            self._heartbeat(still_to_send=later)
+            p = later.pop(0)
+            self._wait_for(p, source="waiting")
+            if fragments[p].steps and not fragments[p].in_flight:
+                self._send(p)
         wait(self._encoding)
         self._heartbeat(last_sent=True)
         for p in range(self.P):

@@ -35,6 +35,9 @@ class RoundState:
     deadline: float | None  # when the grace window ends
     now: float
     finished_learners: int = 0  # live learners that have sent their last update
+    # Live learners that may still send an update to this round (not in it, not finished, not
+    # finishing without this fragment still to send); None: not known.
+    waiting: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,10 @@ def decide(
         # (for quorum or grace) only delays the end, or, in sync mode, never ends (a learner
         # restored near the end sends a last update after the others finished). Merge what
         # is left now.
+        return Decision(merge_now=True)
+    if policy.mode == "decoupled" and state.live_learners and state.waiting == 0:
+        # No live learner can add to this round any more (each is in it, or has stopped
+        # stepping with nothing more for this fragment): a grace window would wait for no one.
         return Decision(merge_now=True)
     if policy.mode == "decoupled":
         k = required_quorum(policy, training)

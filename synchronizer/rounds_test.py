@@ -78,3 +78,19 @@ def test_when_every_live_learner_has_finished_what_is_left_merges_below_quorum()
     sync = RoundPolicy("sync", 4, 5, 0.8, None)
     assert decide(last, sync, slowest_step_s=1.0, t_sync_s=0.0).merge_now
     assert not decide(training, sync, slowest_step_s=1.0, t_sync_s=0.0).merge_now
+
+
+def test_a_round_no_live_learner_can_add_to_merges_without_waiting_out_its_grace() -> None:
+    policy = RoundPolicy("decoupled", 1, 5, 0.8, 30.0)
+    # Quorum reached, a 30 s grace window open, and one learner not in the round yet.
+    open_ = RoundState(1, 2, 0.0, 1.0, 31.0, 2.0, waiting=1)
+    assert not decide(open_, policy, slowest_step_s=1.0, t_sync_s=0.0).merge_now
+    # That learner stopped stepping and has nothing more for this fragment.
+    nobody = RoundState(1, 2, 0.0, 1.0, 31.0, 2.0, waiting=0)
+    assert decide(nobody, policy, slowest_step_s=1.0, t_sync_s=0.0).merge_now
+    # Unknown (an older store) keeps the grace window.
+    unknown = RoundState(1, 2, 0.0, 1.0, 31.0, 2.0)
+    assert not decide(unknown, policy, slowest_step_s=1.0, t_sync_s=0.0).merge_now
+    # Sync mode waits for every learner of the job, finishing or not.
+    sync = RoundPolicy("sync", 2, 5, 0.8, None)
+    assert not decide(nobody, sync, slowest_step_s=1.0, t_sync_s=0.0).merge_now

@@ -377,6 +377,7 @@ class SynchronizerService(synchronizer_pb2_grpc.SynchronizerServicer):
             eval_loss=hb.eval_loss if math.isfinite(hb.eval_loss) else -1.0,
             done=1.0 if hb.done else 0.0,
             last_sent=1.0 if hb.last_sent or hb.done else 0.0,
+            still_to_send=list(hb.still_to_send) if hb.finishing and not hb.last_sent else None,
         )
         if steps_done is None:
             conn.outbox.put_nowait(

@@ -87,7 +87,12 @@ class Store(Protocol):
         self, spec_json: str, learner: str, incarnation: str, ttl_s: float, step: int
     ) -> Hello: ...
     async def heartbeat(
-        self, learner: str, incarnation: str, ttl_s: float, **fields: float
+        self,
+        learner: str,
+        incarnation: str,
+        ttl_s: float,
+        still_to_send: list[int] | None = None,
+        **fields: float,
     ) -> int | None: ...
     async def leave(self, learner: str, incarnation: str) -> None: ...
     async def is_initialized(self) -> bool: ...
@@ -213,19 +218,29 @@ class RedisStore:
         return Hello(True, detail, bool(int(reply[2])))
 
     async def heartbeat(
-        self, learner: str, incarnation: str, ttl_s: float, **fields: float
+        self,
+        learner: str,
+        incarnation: str,
+        ttl_s: float,
+        still_to_send: list[int] | None = None,
+        **fields: float,
     ) -> int | None:
-        """Renew the lease; return the job's steps over all slots, None if not renewed."""
+        """Renew the lease; return the job's steps over all slots, None if not renewed.
+        `still_to_send`: finishing, with these fragments' updates still to come (None: not)."""
         args = [learner, incarnation, int(ttl_s * 1000)]
         args += [repr(float(fields[k])) for k in ("step", "ema", "tokens_s", "loss", "eval_loss")]
         args.append(int(fields.get("done", 0)))
         args.append(int(fields.get("last_sent", 0)))
+        args.append(
+            "".join(f",{p}" for p in still_to_send) + "," if still_to_send is not None else ""
+        )
         keys = [
             self.key("learners"),
             self.key("learner", learner),
             self.key("ema"),
             self.key("slot_steps"),
             self.key("finished"),
+            self.key("finishing"),
         ]
         total = int(await self._run("heartbeat", keys, args))
         return None if total < 0 else total
@@ -324,15 +339,16 @@ class RedisStore:
             self.key("ema"),
             self.key("stats"),
             self.key("finished"),
+            self.key("finishing"),
         ]
-        now, opened, quorum, deadline, contrib, live, slowest, t_sync, finished = await self._run(
-            "round_state", keys, []
-        )
+        reply = await self._run("round_state", keys, [fragment])
+        now, opened, quorum, deadline, contrib, live, slowest, t_sync, finished, waiting = reply
         ms = 1000.0
         state = RoundState(
             contributors=int(contrib),
             live_learners=int(live),
             finished_learners=int(finished),
+            waiting=int(waiting),
             opened_at=float(opened) / ms,
             quorum_at=float(quorum) / ms if quorum else None,
             deadline=float(deadline) / ms if deadline else None,

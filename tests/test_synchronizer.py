@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.processes import synchronizer_child
 from cluster.redis_server import RedisServer
-from learner.client import SessionError
+from learner.client import SessionError, SynchronizerClient
 from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from tests import support
@@ -95,6 +95,45 @@ def test_quorum_two_of_three_and_a_late_update_is_folded_into_the_next_round(
         assert sorted(second["learners"]) == ["l0", "l1"]  # type: ignore[arg-type]
         assert sorted(second["base_versions"]) == [0, 1]  # type: ignore[arg-type]
         assert int(r.hget(support.key("stats"), "stale_folded") or 0) == 1
+    finally:
+        for c in (c0, c1, c2):
+            c.close()
+
+
+def test_rounds_stop_waiting_for_a_finishing_learner_with_nothing_more_for_them(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    """A learner past its last step says which fragments it will still send; a round that
+    no live learner can add to any more merges at once, not after its grace window."""
+    sync = spawn_synchronizer("--fragments", "2", "--quorum", "1", "--grace-seconds", "30")
+    c0, c1, c2 = (support.client([sync.address], f"l{i}") for i in range(3))
+    r = redis.Redis(port=redis_server.port)
+
+    def finishing(c: SynchronizerClient, still: list[int]) -> None:
+        c.heartbeat(
+            step=5,
+            step_time_ema_s=0.1,
+            tokens_per_s=1.0,
+            loss=1.0,
+            eval_loss=1.0,
+            still_to_send=still,
+        )
+
+    try:
+        support.initialize(c0, 2)
+        c0.wait_ack(support.send_delta(c0, 0, 2, 0, seed=1), 10)
+        time.sleep(1.0)
+        assert support.version(r, 0) == 0, "quorum reached: the 30 s grace window waits"
+        finishing(c1, [1])  # nothing more for fragment 0
+        time.sleep(1.0)
+        assert support.version(r, 0) == 0, "l2 is still training: it may still send"
+        finishing(c2, [0])  # l2 will still send fragment 0
+        time.sleep(1.0)
+        assert support.version(r, 0) == 0, "l2 said it will still send fragment 0"
+        finishing(c2, [])  # all sent
+        wait_until(lambda: support.version(r, 0) == 1, timeout=5, what="merge without grace")
+        assert support.commit_log(r, 0)[0]["learners"] == ["l0"]
+        assert support.version(r, 1) == 0, "fragment 1 has no update: nothing to merge"
     finally:
         for c in (c0, c1, c2):
             c.close()

@@ -1,10 +1,13 @@
 -- Renew a learner's lease, unless a newer incarnation of the same id has taken it over.
 -- Returns the inner steps of all learner slots together (each slot's newest step count), or
 -- -1 when the lease was not renewed.
--- KEYS: learners, learner, ema, slot_steps, finished
--- ARGV: id, incarnation, ttl_ms, step, ema_s, tokens_s, loss, eval, done, last_sent
+-- KEYS: learners, learner, ema, slot_steps, finished, finishing
+-- ARGV: id, incarnation, ttl_ms, step, ema_s, tokens_s, loss, eval, done, last_sent,
+--       still_to_send (',1,3,': finishing with those fragments still to send; '': not)
 -- `finished` holds the learners that sent their last update (rounds stop waiting for them);
--- the learner's `done` says it also finished its final sync (the run's end waits for that).
+-- `finishing` the ones that stopped stepping, with the fragments they will still send (rounds
+-- of other fragments stop waiting for them); the learner's `done` says it also finished its
+-- final sync (the run's end waits for that).
 if redis.call('HGET', KEYS[2], 'incarnation') ~= ARGV[2] then return -1 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -14,6 +17,7 @@ if tonumber(ARGV[5]) > 0 then redis.call('HSET', KEYS[3], ARGV[1], ARGV[5]) end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('HSET', KEYS[4], ARGV[1], math.floor(tonumber(ARGV[4])))
 if ARGV[10] == '1' then redis.call('SADD', KEYS[5], ARGV[1]) else redis.call('SREM', KEYS[5], ARGV[1]) end
+if ARGV[11] ~= '' then redis.call('HSET', KEYS[6], ARGV[1], ARGV[11]) else redis.call('HDEL', KEYS[6], ARGV[1]) end
 local total = 0
 for _, steps in ipairs(redis.call('HVALS', KEYS[4])) do total = total + tonumber(steps) end
 return total

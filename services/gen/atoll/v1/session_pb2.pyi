@@ -225,6 +225,8 @@ class Heartbeat(_message.Message):
     EVAL_LOSS_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     LAST_SENT_FIELD_NUMBER: _builtins.int
+    FINISHING_FIELD_NUMBER: _builtins.int
+    STILL_TO_SEND_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     step_time_ema_s: _builtins.float
     tokens_per_s: _builtins.float
@@ -235,6 +237,13 @@ class Heartbeat(_message.Message):
     """finished its steps and its final sync"""
     last_sent: _builtins.bool
     """finishing: its last updates are sent, no more will come"""
+    finishing: _builtins.bool
+    """Finishing, some updates still to come: stepping is over, and these fragments get one more
+    update each, once the update in flight is answered. Rounds of other fragments stop
+    waiting for this learner.
+    """
+    @_builtins.property
+    def still_to_send(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -245,10 +254,12 @@ class Heartbeat(_message.Message):
         eval_loss: _builtins.float = ...,
         done: _builtins.bool = ...,
         last_sent: _builtins.bool = ...,
+        finishing: _builtins.bool = ...,
+        still_to_send: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "eval_loss", b"eval_loss", "last_sent", b"last_sent", "loss", b"loss", "step", b"step", "step_time_ema_s", b"step_time_ema_s", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "eval_loss", b"eval_loss", "finishing", b"finishing", "last_sent", b"last_sent", "loss", b"loss", "step", b"step", "step_time_ema_s", b"step_time_ema_s", "still_to_send", b"still_to_send", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
