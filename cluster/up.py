@@ -72,6 +72,7 @@ class LocalCluster:
         self._later: list[tuple[float, str, Child]] = []  # (time, action, child)
         self._down: set[str] = set()  # children a fault stopped on purpose
         self._ended_dead: set[str] = set()  # learner slots the job's end found dead
+        self._told_to_stop: set[str] = set()  # learners sent SIGTERM once training ended
         self._training_since: float | None = None
         self.tape = Tape(settings.tape, "cluster")
         self.proxy: FaultProxy | None = None
@@ -289,6 +290,9 @@ class LocalCluster:
                 and c.process.returncode != 0
                 and c.name not in self._down
                 and c.name not in self._ended_dead
+                # Told to stop at the end: a SIGTERM that lands while Python is already
+                # shutting down ends the process by the signal. Its work is done.
+                and not (c.name in self._told_to_stop and c.process.returncode == -signal.SIGTERM)
             ]
             if failed:
                 raise RuntimeError(f"{failed[0].name} failed:\n{failed[0].tail()}")
@@ -300,7 +304,9 @@ class LocalCluster:
                 self.tape.write("training_ended", versions=state.versions)
             if all_done and time.monotonic() - quiet_since >= QUIET_BEFORE_STOP_S:
                 for c in self.learners:
-                    c.signal(signal.SIGTERM)
+                    if c.name not in self._told_to_stop:  # once: they are lingering
+                        c.signal(signal.SIGTERM)
+                        self._told_to_stop.add(c.name)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run did not finish within --timeout-s {self.s.timeout_s}")
             time.sleep(0.5)
