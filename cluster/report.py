@@ -79,10 +79,17 @@ def build_report(
     started_at: float = 0.0,
     merged: dict[str, dict[str, int]] | None = None,
     commit_logs: Sequence[Sequence[dict[str, Any]]] = (),
+    unreported: dict[str, tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
+    """`unreported`: learner slots that wrote no summary (they ended dead), with the steps the
+    synchronizer last heard of from them and the tokens each step took."""
     learners = int(settings["learners"])
     parameters = int(summaries[0]["parameters"]) if summaries else 0
+    unreported = unreported or {}
     steps_total = sum(int(s["steps"]) for s in summaries)
+    steps_total += sum(steps for steps, _ in unreported.values())
+    tokens_total = sum(int(s["tokens"]) for s in summaries)
+    tokens_total += sum(steps * tokens for steps, tokens in unreported.values())
     up, down = stats.get("bytes_up", 0.0), stats.get("bytes_down", 0.0)
     dp = dp_equivalent_bytes(parameters, learners, steps_total)
     initial = [s["loss"]["initial"] for s in summaries if s["loss"]["initial"] is not None]
@@ -97,7 +104,8 @@ def build_report(
         "parameters": parameters,
         "wall_seconds": round(wall_seconds, 3),
         "started_at": started_at,
-        "tokens_total": sum(int(s["tokens"]) for s in summaries),
+        "tokens_total": tokens_total,
+        "slots_without_summary": {name: steps for name, (steps, _) in unreported.items()},
         "tokens_merged": round(stats.get("tokens_merged", 0.0)),
         "goodput": round(goodput(useful, provisioned_seconds), 4),
         "useful_seconds": round(useful, 3),

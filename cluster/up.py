@@ -365,6 +365,16 @@ class LocalCluster:
             global_checksums=global_sums,
         )
         evals = [s["eval_loss"] for s in summaries if s["eval_loss"] is not None]
+        # A slot that ended dead wrote no summary: count its steps as the synchronizer last
+        # heard them (each slot's newest step count, from its heartbeats).
+        heard = r.hgetall(job_key(self.s.job, "slot_steps"))
+        batches = self.s.batch_sizes or [self.s.batch_size] * self.s.learners
+        reported = {s["learner"] for s in summaries}
+        unreported = {
+            c.name: (int(float(heard.get(c.name.encode(), 0))), batches[i] * self.s.context)
+            for i, c in enumerate(self.learners)
+            if c.name not in reported
+        }
         return build_report(
             settings=self.s.model_dump(),
             summaries=summaries,
@@ -377,6 +387,7 @@ class LocalCluster:
             started_at=self.started,
             merged=merged_by_incarnation(logs),
             commit_logs=logs,
+            unreported=unreported,
         )
 
     def _close_tape(self, r: Any, logs: list[list[dict[str, Any]]]) -> None:

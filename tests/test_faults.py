@@ -17,6 +17,7 @@ from tests.test_up import up
 
 STEPS, H = 1200, 60
 FAST = ["--steps", str(STEPS), "--inner-steps", str(H), "--fragments", "3"]
+TOKENS_PER_STEP = 8 * 64  # test_up.SMALL: batch 8, context 64
 
 
 def check(report: dict[str, Any], faults: int) -> None:
@@ -67,6 +68,9 @@ def test_the_job_ends_when_its_budget_is_spent_without_waiting_for_a_dead_learne
     assert ("not_restarted", "learner-1") in kinds
     assert ("restarted", "learner-1") not in kinds
     assert report["wall_seconds"] < 300
+    # The dead slot's steps still count: the job spent its whole budget of tokens.
+    assert "learner-1" in report["slots_without_summary"]
+    assert report["tokens_total"] >= 3 * STEPS * TOKENS_PER_STEP
 
 
 def test_a_paused_learner_does_not_stop_the_others(tmp_path: Path) -> None:
