@@ -212,7 +212,7 @@ class LocalCluster:
         speeds = self.s.speeds or [1.0] * self.s.learners
         if len(speeds) != self.s.learners:
             raise ValueError(f"--speeds gives {len(speeds)} values for {self.s.learners} learners")
-        batches = self.s.batch_sizes or [self.s.batch_size] * self.s.learners
+        batches = self.batch_sizes()
         if len(batches) != self.s.learners:
             raise ValueError(
                 f"--batch-sizes gives {len(batches)} values for {self.s.learners} learners"
@@ -263,6 +263,10 @@ class LocalCluster:
             learner = Child(name, args, self.workdir / f"{name}.log", child_env(self.s.threads))
             self.learners.append(learner)
             self._launch(learner)
+
+    def batch_sizes(self) -> list[int]:
+        """Each learner's batch size: --batch-sizes, or --batch-size for all."""
+        return self.s.batch_sizes or [self.s.batch_size] * self.s.learners
 
     def summary_path(self, name: str) -> Path:
         return self.workdir / f"{name}.summary.json"
@@ -368,7 +372,7 @@ class LocalCluster:
         # A slot that ended dead wrote no summary: count its steps as the synchronizer last
         # heard them (each slot's newest step count, from its heartbeats).
         heard = r.hgetall(job_key(self.s.job, "slot_steps"))
-        batches = self.s.batch_sizes or [self.s.batch_size] * self.s.learners
+        batches = self.batch_sizes()
         reported = {s["learner"] for s in summaries}
         unreported = {
             c.name: (int(float(heard.get(c.name.encode(), 0))), batches[i] * self.s.context)

@@ -48,9 +48,7 @@ class Workload:
 
     def shapes(self) -> Any:
         """The parameters' shapes and dtypes, without making their values."""
-        if callable(self.params):
-            return jax.eval_shape(self.params)
-        return jax.eval_shape(lambda: self.params)
+        return jax.eval_shape(self.params if callable(self.params) else lambda: self.params)
 
 
 def _name(path: tuple[Any, ...]) -> str:
