@@ -143,7 +143,8 @@ class CodecsBench(_Output):
     """Bytes per value and error of each codec, with and without error feedback."""
 
     codecs: list[str] = Field(
-        ["bf16", "int8", "int4-uniform", "e3m0"], description="codecs compared"
+        ["bf16", "int8", "int4-uniform", "e3m0", "int2", "sign", "topk"],
+        description="codecs compared",
     )
     values: int = Field(1 << 18, ge=256, description="values per vector")
     rounds: int = Field(50, ge=1, description="encodings summed with error feedback")

@@ -102,13 +102,24 @@ def _decode_int8(payload: bytes, n: int, block_size: int) -> np.ndarray:
     return decoded
 
 
+def _padded_blocks(x: np.ndarray, block_size: int) -> np.ndarray:
+    """x (float32) padded with zeros into rows of block_size."""
+    _check_block_size(block_size)
+    padded = np.zeros(_blocks(x.size, block_size) * block_size, np.float32)
+    padded[: x.size] = x
+    return padded.reshape(-1, block_size)
+
+
+def _block_counts(n: int, block_size: int) -> np.ndarray:
+    """How many of each block's values are real (the last block may be short)."""
+    counts = np.full(max(1, _blocks(n, block_size)), block_size, np.float32)
+    counts[-1] = n - (counts.size - 1) * block_size if n else block_size
+    return counts
+
+
 def _absmax_blocks(x: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """x padded into blocks, and each block's absmax (float32)."""
-    _check_block_size(block_size)
-    n = x.size
-    padded = np.zeros(_blocks(n, block_size) * block_size, np.float32)
-    padded[:n] = x
-    blocks = padded.reshape(-1, block_size)
+    blocks = _padded_blocks(x, block_size)
     return blocks, np.abs(blocks).max(axis=1).astype(np.float32)
 
 
@@ -192,6 +203,152 @@ def _check_nibbles(payload: bytes, n: int, block_size: int, what: str) -> None:
         raise CodecError(f"{what} payload has a negative block scale; the payload is corrupt")
 
 
+def _encode_int2(x: np.ndarray, block_size: int) -> bytes:
+    """Two bits a value, four levels (q - 1.5) * s for q in 0..3, s the block's root mean
+    square (float32): uniform 2-bit quantization with the step that suits Gaussian values.
+    Four codes a byte, the first in the lowest bits."""
+    n = x.size
+    blocks = _padded_blocks(np.asarray(x, np.float32), block_size)
+    counts = _block_counts(n, block_size)[: blocks.shape[0]]
+    scales = np.sqrt(np.square(blocks).sum(axis=1) / counts).astype(np.float32)
+    safe = np.where(scales > 0, scales, 1.0)[:, None]
+    q = np.clip(np.floor(blocks / safe) + 2, 0, 3).astype(np.uint8).ravel()[:n]
+    q = np.append(q, np.zeros(-n % 4, np.uint8)).reshape(-1, 4)
+    packed = (q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)).astype(np.uint8)
+    return bytes(scales.astype("<f4").tobytes() + packed.tobytes())
+
+
+def _int2_parts(payload: bytes, n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    _check_block_size(block_size)
+    nb = _blocks(n, block_size)
+    _expect_len(payload, 4 * nb + (n + 3) // 4, "int2")
+    scales = _finite(np.frombuffer(payload, "<f4", count=nb))
+    if (scales < 0).any():
+        raise CodecError("int2 payload has a negative block scale; the payload is corrupt")
+    return scales, np.frombuffer(payload, np.uint8, offset=4 * nb)
+
+
+def _check_int2(payload: bytes, n: int, block_size: int) -> None:
+    _int2_parts(payload, n, block_size)
+
+
+def _decode_int2(payload: bytes, n: int, block_size: int) -> np.ndarray:
+    scales, packed = _int2_parts(payload, n, block_size)
+    codes = np.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], axis=1).ravel()[:n]
+    levels = codes.astype(np.float32) - 1.5
+    decoded: np.ndarray = (levels * np.repeat(scales, block_size)[:n]).astype(np.float32)
+    return decoded
+
+
+def _sign_payload_len(n: int, block_size: int) -> int:
+    return 4 * _blocks(n, block_size) + (n + 7) // 8
+
+
+def _encode_sign(x: np.ndarray, block_size: int) -> bytes:
+    """One bit a value: its sign, times its block's mean magnitude (the scale that makes a
+    block's encoding closest to it), float32. Bit set: positive; a value of zero is sent as
+    positive, and error feedback takes the difference back."""
+    x = np.asarray(x, np.float32)
+    blocks = _padded_blocks(x, block_size)
+    counts = _block_counts(x.size, block_size)[: blocks.shape[0]]
+    scales = (np.abs(blocks).sum(axis=1) / counts).astype(np.float32)
+    bits = np.packbits(x >= 0, bitorder="little")
+    return bytes(scales.astype("<f4").tobytes() + bits.tobytes())
+
+
+def _sign_parts(payload: bytes, n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    _check_block_size(block_size)
+    _expect_len(payload, _sign_payload_len(n, block_size), "sign")
+    nb = _blocks(n, block_size)
+    scales = _finite(np.frombuffer(payload, "<f4", count=nb))
+    if (scales < 0).any():
+        raise CodecError("sign payload has a negative block scale; the payload is corrupt")
+    return scales, np.frombuffer(payload, np.uint8, offset=4 * nb)
+
+
+def _check_sign(payload: bytes, n: int, block_size: int) -> None:
+    _sign_parts(payload, n, block_size)
+
+
+def _decode_sign(payload: bytes, n: int, block_size: int) -> np.ndarray:
+    scales, packed = _sign_parts(payload, n, block_size)
+    signs = np.unpackbits(packed, count=n, bitorder="little").astype(np.float32) * 2.0 - 1.0
+    decoded: np.ndarray = (signs * np.repeat(scales, block_size)[:n]).astype(np.float32)
+    return decoded
+
+
+TOPK_SHARE = 32  # topk keeps the 1/32 largest values of each block
+
+
+def _topk_layout(n: int, block_size: int) -> tuple[int, int, np.dtype[np.unsignedinteger]]:
+    """Blocks, values kept per block, and the dtype of their offsets in the block."""
+    _check_block_size(block_size)
+    kept = max(1, block_size // TOPK_SHARE)
+    offset: np.dtype[np.unsignedinteger] = np.dtype("<u4")
+    if block_size <= 1 << 8:
+        offset = np.dtype("u1")
+    elif block_size <= 1 << 16:
+        offset = np.dtype("<u2")
+    return _blocks(n, block_size), kept, offset
+
+
+def _topk_payload_len(n: int, block_size: int) -> int:
+    nb, kept, offset = _topk_layout(n, block_size)
+    return 4 * nb + offset.itemsize * nb * kept + (nb * kept + 1) // 2
+
+
+def _encode_topk(x: np.ndarray, block_size: int) -> bytes:
+    """The largest 1/32 of each block's values by magnitude, in 4-bit: per block a scale
+    (their absmax / 7, float32), their offsets in the block in increasing order, and their
+    codes q + 8, q = round(value / scale) in -7..7. Every other value decodes to zero; error
+    feedback sends it later, once it has grown into its block's largest."""
+    blocks, _ = _absmax_blocks(np.asarray(x, np.float32), block_size)
+    _, kept, offset = _topk_layout(x.size, block_size)
+    where = np.sort(np.argpartition(-np.abs(blocks), kept - 1, axis=1)[:, :kept], axis=1)
+    chosen = np.take_along_axis(blocks, where, axis=1)
+    scales = (np.abs(chosen).max(axis=1) / 7.0).astype(np.float32)
+    safe = np.where(scales > 0, scales, 1.0)[:, None]
+    q = np.clip(np.rint(chosen / safe), -7, 7).astype(np.int8)
+    return bytes(
+        scales.astype("<f4").tobytes()
+        + where.astype(offset).tobytes()
+        + _pack_nibbles((q + 8).astype(np.uint8).ravel())
+    )
+
+
+def _topk_parts(
+    payload: bytes, n: int, block_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Checked scales, offsets (blocks x kept) and codes of a topk payload."""
+    _expect_len(payload, _topk_payload_len(n, block_size), "topk")
+    nb, kept, offset = _topk_layout(n, block_size)
+    scales = _finite(np.frombuffer(payload, "<f4", count=nb))
+    if (scales < 0).any():
+        raise CodecError("topk payload has a negative block scale; the payload is corrupt")
+    where = np.frombuffer(payload, offset, count=nb * kept, offset=4 * nb).reshape(nb, kept)
+    if (where >= block_size).any() or (np.diff(where.astype(np.int64), axis=1) <= 0).any():
+        raise CodecError(
+            "topk payload has offsets out of their block or not increasing; the payload is corrupt"
+        )
+    start = 4 * nb + offset.itemsize * nb * kept
+    codes = _unpack_nibbles(np.frombuffer(payload, np.uint8, offset=start), nb * kept)
+    return scales, where, codes
+
+
+def _check_topk(payload: bytes, n: int, block_size: int) -> None:
+    _topk_parts(payload, n, block_size)
+
+
+def _decode_topk(payload: bytes, n: int, block_size: int) -> np.ndarray:
+    scales, where, codes = _topk_parts(payload, n, block_size)
+    nb = scales.size
+    out = np.zeros((nb, block_size), np.float32)
+    values = (codes.astype(np.float32) - 8.0).reshape(where.shape) * scales[:, None]
+    np.put_along_axis(out, where.astype(np.intp), values, axis=1)
+    decoded: np.ndarray = out.ravel()[:n]
+    return decoded
+
+
 def _check_float(itemsize: int, dtype: object, what: str) -> Callable[[bytes, int, int], None]:
     def check(payload: bytes, n: int, _: int) -> None:
         _expect_len(payload, itemsize * n, what)
@@ -251,6 +408,15 @@ REGISTRY: dict[str, Codec] = {
             _encode_e3m0,
             _decode_e3m0,
             lambda p, n, b: _check_nibbles(p, n, b, "e3m0"),
+        ),
+        Codec("int2", fragment_pb2.CODEC_INT2, _encode_int2, _decode_int2, _check_int2),
+        Codec("sign", fragment_pb2.CODEC_SIGN, _encode_sign, _decode_sign, _check_sign),
+        Codec(
+            "topk",
+            fragment_pb2.CODEC_TOPK,
+            _encode_topk,
+            _decode_topk,
+            _check_topk,
         ),
     )
 }

@@ -153,3 +153,111 @@ def test_corrupt_four_bit_payloads_are_refused(name: str) -> None:
 def test_int4_is_the_measured_default_and_has_a_wire_number() -> None:
     assert codecs.by_name("int4") is codecs.by_name(codecs.INT4_DEFAULT)
     assert codecs.by_wire(codecs.by_name("e3m0").wire).name == "e3m0"
+
+
+@pytest.mark.parametrize("n", [1, 7, 256, 1001, 10_007])
+@pytest.mark.parametrize("block", [16, 64, 256, 1024])
+def test_topk_sends_each_blocks_largest_values_within_half_a_quantum(n: int, block: int) -> None:
+    x = np.random.default_rng(n).standard_t(3, size=n).astype(np.float32)
+    codec = codecs.by_name("topk")
+    payload = codec.encode(x, block)
+    codec.check(payload, n, block)
+    y = codec.decode(payload, n, block)
+    kept = max(1, block // codecs.TOPK_SHARE)
+    for start in range(0, n, block):
+        xb, yb = x[start : start + block], y[start : start + block]
+        largest = np.argsort(-np.abs(xb), kind="stable")[:kept]
+        others = np.setdiff1d(np.arange(xb.size), largest)
+        assert np.all(yb[others] == 0.0)
+        quantum = np.abs(xb[largest]).max() / 7.0
+        assert np.abs(yb[largest] - xb[largest]).max() <= quantum / 2 + 1e-6
+
+
+def test_topk_costs_a_sixteenth_of_a_byte_per_value_at_the_default_block() -> None:
+    x = np.random.default_rng(0).normal(size=1 << 16).astype(np.float32)
+    payload = codecs.by_name("topk").encode(x, 256)
+    # Per block of 256: a float32 scale, 8 one-byte offsets, 8 four-bit codes.
+    assert len(payload) == (1 << 16) // 256 * 16
+
+
+def test_topk_with_error_feedback_delivers_a_steady_signal() -> None:
+    """Values too small to be sent at first grow in the residual until they are: the sum of
+    what was decoded converges on the sum of the true deltas, and what is owed is exactly the
+    residual."""
+    rng = np.random.default_rng(5)
+    codec = codecs.by_name("topk")
+    ef = codecs.ErrorFeedback(codec, 256)
+    signal = rng.normal(size=4096).astype(np.float32)
+    sent = np.zeros(4096, np.float64)
+    true = np.zeros(4096, np.float64)
+    for rounds in range(1, 401):
+        delta = (signal + rng.normal(scale=0.5, size=4096)).astype(np.float32)
+        true += delta
+        sent += codec.decode(ef.encode(delta), 4096, 256)
+        if rounds == 20:
+            early = np.linalg.norm(sent / rounds - signal) / np.linalg.norm(signal)
+    late = np.linalg.norm(sent / rounds - signal) / np.linalg.norm(signal)
+    assert late < 0.1 < early
+    assert ef.residual is not None
+    np.testing.assert_allclose(true - sent, ef.residual, atol=1e-2)
+
+
+def test_corrupt_topk_payloads_are_refused() -> None:
+    codec = codecs.by_name("topk")
+    x = np.linspace(-1, 1, 300, dtype=np.float32)
+    payload = codec.encode(x, 64)  # 5 blocks of 2 kept values, 1-byte offsets after the scales
+    codec.check(payload, 300, 64)
+    with pytest.raises(codecs.CodecError, match="bytes, expected"):
+        codec.check(payload[:-1], 300, 64)
+    for offsets, why in (([5, 5], "not increasing"), ([9, 3], "not increasing"), ([1, 64], "out")):
+        bad = np.frombuffer(payload, np.uint8).copy()
+        bad[20:22] = offsets
+        with pytest.raises(codecs.CodecError, match="out of their block or not increasing"):
+            codec.decode(bad.tobytes(), 300, 64)
+        assert why
+    negative = np.frombuffer(payload, np.uint8).copy()
+    negative[3] |= 0x80
+    with pytest.raises(codecs.CodecError, match="negative block scale"):
+        codec.check(negative.tobytes(), 300, 64)
+    assert codecs.by_wire(codec.wire).name == "topk"
+
+
+@pytest.mark.parametrize("n", [1, 7, 256, 1001])
+@pytest.mark.parametrize("block", [1, 64, 256])
+def test_sign_sends_each_values_sign_times_its_blocks_mean_magnitude(n: int, block: int) -> None:
+    x = np.random.default_rng(n).standard_t(3, size=n).astype(np.float32)
+    codec = codecs.by_name("sign")
+    payload = codec.encode(x, block)
+    assert len(payload) == 4 * -(-n // block) + (n + 7) // 8
+    codec.check(payload, n, block)
+    y = codec.decode(payload, n, block)
+    assert np.all(np.where(x >= 0, y >= 0, y <= 0))
+    for start in range(0, n, block):
+        xb, yb = x[start : start + block], y[start : start + block]
+        np.testing.assert_allclose(np.abs(yb), np.abs(xb).mean(), rtol=1e-5)
+
+
+def test_sign_with_error_feedback_delivers_a_steady_signal() -> None:
+    rng = np.random.default_rng(6)
+    codec = codecs.by_name("sign")
+    ef = codecs.ErrorFeedback(codec, 256)
+    signal = rng.normal(size=4096).astype(np.float32)
+    sent = np.zeros(4096, np.float64)
+    for rounds in range(1, 201):
+        sent += codec.decode(ef.encode(signal), 4096, 256)
+        if rounds == 1:
+            first = np.linalg.norm(sent - signal) / np.linalg.norm(signal)
+    late = np.linalg.norm(sent / rounds - signal) / np.linalg.norm(signal)
+    assert late < 0.1 < 0.5 < first
+
+
+def test_corrupt_sign_payloads_are_refused() -> None:
+    codec = codecs.by_name("sign")
+    payload = codec.encode(np.linspace(-1, 1, 300, dtype=np.float32), 256)
+    with pytest.raises(codecs.CodecError, match="bytes, expected"):
+        codec.check(payload + b"\0", 300, 256)
+    negative = np.frombuffer(payload, np.uint8).copy()
+    negative[3] |= 0x80
+    with pytest.raises(codecs.CodecError, match="negative block scale"):
+        codec.check(negative.tobytes(), 300, 256)
+    assert codecs.by_wire(codec.wire).name == "sign"

@@ -21,7 +21,7 @@ from services.codec import DEFAULT_BLOCK_SIZE, REGISTRY
 from services.wire import DEFAULT_MAX_CHUNK_BYTES
 
 Mode = Literal["decoupled", "sync"]
-CodecName = Literal["fp32", "bf16", "int8", "int4", "int4-uniform", "e3m0"]
+CodecName = Literal["fp32", "bf16", "int8", "int4", "int4-uniform", "e3m0", "int2", "sign", "topk"]
 assert set(CodecName.__args__) == set(REGISTRY)  # type: ignore[attr-defined]
 
 
@@ -52,10 +52,15 @@ class JobConfig(BaseModel):
         "int8",
         description="encoding of outer gradients on the wire: fp32, bf16, int8 (per-block "
         "absmax), int4 (the better 4-bit codec as measured: int4-uniform), e3m0 (sign and "
-        "3-bit exponent)",
+        "3-bit exponent), int2 (four levels scaled by the block's RMS), sign (1 bit, the "
+        "block's mean magnitude), topk (each block's largest 1/32 in 4-bit); all with "
+        "error feedback",
     )
     block_size: int = Field(
-        DEFAULT_BLOCK_SIZE, ge=1, le=1 << 20, description="values per scale block (int8)"
+        DEFAULT_BLOCK_SIZE,
+        ge=1,
+        le=1 << 20,
+        description="values per scale block (every codec but fp32 and bf16)",
     )
     quorum: int = Field(1, ge=1, description="K: minimum learners per merge (decoupled mode)")
     grace_gamma: float = Field(

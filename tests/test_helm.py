@@ -4,6 +4,7 @@ and bad values refused by the schema."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,14 @@ def test_a_redis_password_reaches_the_url_through_a_secret() -> None:
 def test_bad_values_are_refused_by_the_schema(values: dict[str, Any], match: str) -> None:
     with pytest.raises(helm.HelmError, match=match):
         helm.Chart.load(CHART).render(values, name="atoll", namespace="atoll")
+
+
+def test_the_schema_offers_exactly_the_codecs_atoll_has() -> None:
+    from services.codec import REGISTRY
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    offered = schema["properties"]["job"]["properties"]["codec"]["enum"]
+    assert sorted(offered) == sorted(REGISTRY)
+    sync = next(d for d in render({"job": {"codec": "sign"}}) if d["kind"] == "Deployment")
+    args = sync["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--codec=sign" in args

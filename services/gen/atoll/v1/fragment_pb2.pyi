@@ -36,6 +36,12 @@ class _CodecEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Codec.ValueType
     """per-block absmax scale (float32) + packed 4-bit values in -7..7"""
     CODEC_E3M0: _Codec.ValueType  # 5
     """per-block absmax scale (float32) + packed 4-bit sign and 3-bit exponent"""
+    CODEC_TOPK: _Codec.ValueType  # 6
+    """per block: scale (float32), offsets of its 1/32 largest values, 4-bit values"""
+    CODEC_SIGN: _Codec.ValueType  # 7
+    """per-block mean magnitude (float32) + one sign bit per value"""
+    CODEC_INT2: _Codec.ValueType  # 8
+    """per-block root mean square s (float32) + 2-bit codes, values (q - 1.5) * s"""
 
 class Codec(_Codec, metaclass=_CodecEnumTypeWrapper):
     """How a payload's float32 values are encoded on the wire."""
@@ -51,6 +57,12 @@ CODEC_INT4: Codec.ValueType  # 4
 """per-block absmax scale (float32) + packed 4-bit values in -7..7"""
 CODEC_E3M0: Codec.ValueType  # 5
 """per-block absmax scale (float32) + packed 4-bit sign and 3-bit exponent"""
+CODEC_TOPK: Codec.ValueType  # 6
+"""per block: scale (float32), offsets of its 1/32 largest values, 4-bit values"""
+CODEC_SIGN: Codec.ValueType  # 7
+"""per-block mean magnitude (float32) + one sign bit per value"""
+CODEC_INT2: Codec.ValueType  # 8
+"""per-block root mean square s (float32) + 2-bit codes, values (q - 1.5) * s"""
 Global___Codec: _TypeAlias = Codec  # noqa: Y015
 
 @_typing.final
@@ -101,7 +113,7 @@ class PayloadHeader(_message.Message):
     fragment: _builtins.int
     codec: Global___Codec.ValueType
     block_size: _builtins.int
-    """codec parameter (int8/int4); 0 for fp32/bf16"""
+    """codec parameter (int8/int4/e3m0/topk); 0 for fp32/bf16"""
     num_elements: _builtins.int
     """float32 values the payload decodes to"""
     checksum: _builtins.int
