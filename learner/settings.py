@@ -27,14 +27,6 @@ class ModelConfig(BaseModel):
     lr: float = Field(3e-3, gt=0.0, description="inner AdamW peak learning rate")
     warmup_steps: int = Field(20, ge=0, description="inner learning-rate warm-up steps")
     weight_decay: float = Field(0.01, ge=0.0, description="inner AdamW weight decay")
-    adam_pool: float = Field(
-        1.0,
-        ge=1.0,
-        le=4096.0,
-        description="AdamW normalizes as if its batch were pooled with this many learners' "
-        "(its noise estimate divided by it), so that the merge's mean of updates approaches "
-        "data-parallel AdamW; 1: plain AdamW",
-    )
     seed: int = Field(0, description="initialization and data-order seed")
     data: list[Path] = Field(
         default_factory=list,

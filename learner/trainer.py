@@ -30,7 +30,6 @@ from jax.sharding import PartitionSpec as P
 
 from learner import checkpoint as ckpt
 from learner.client import GlobalFragment, SynchronizerClient
-from learner.optim import inner_optimizer
 from learner.outer import OuterState, due_fragments, sync_round
 from learner.settings import LearnerSettings
 from learner.workload import Named, Workload
@@ -188,7 +187,7 @@ class Learner:
             max(steps, self.s.warmup_steps + 1),
             end_value=self.s.lr * 0.1,
         )
-        self.tx = inner_optimizer(schedule, self.s.weight_decay, self.s.adam_pool)
+        self.tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=self.s.weight_decay)
         tx = self.tx
 
         def flat_loss(params: dict[str, jax.Array], batch: jax.Array) -> jax.Array:
