@@ -56,6 +56,20 @@ def _finite(values: np.ndarray) -> np.ndarray:
     return values
 
 
+def _scales_and_body(
+    payload: bytes, n: int, block_size: int, body_len: int, what: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """A payload of per-block float32 scales then `body_len` bytes: the checked scales, and
+    the body as bytes."""
+    _check_block_size(block_size)
+    nb = _blocks(n, block_size)
+    _expect_len(payload, 4 * nb + body_len, what)
+    scales = _finite(np.frombuffer(payload, "<f4", count=nb))
+    if (scales < 0).any():
+        raise CodecError(f"{what} payload has a negative block scale; the payload is corrupt")
+    return scales, np.frombuffer(payload, np.uint8, offset=4 * nb)
+
+
 def _encode_fp32(x: np.ndarray, _: int) -> bytes:
     return np.ascontiguousarray(x, "<f4").tobytes()
 
@@ -138,10 +152,6 @@ def _unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
     return codes[:n]
 
 
-def _nibble_payload_len(n: int, block_size: int) -> int:
-    return 4 * _blocks(n, block_size) + (n + 1) // 2
-
-
 def _encode_int4(x: np.ndarray, block_size: int) -> bytes:
     """Blockwise uniform 4-bit: q = round(x / (absmax / 7)) in -7..7, stored as q + 8."""
     blocks, absmax = _absmax_blocks(np.asarray(x, np.float32), block_size)
@@ -196,11 +206,7 @@ def _decode_e3m0(payload: bytes, n: int, block_size: int) -> np.ndarray:
 
 
 def _check_nibbles(payload: bytes, n: int, block_size: int, what: str) -> None:
-    _check_block_size(block_size)
-    _expect_len(payload, _nibble_payload_len(n, block_size), what)
-    scales = _finite(np.frombuffer(payload, "<f4", count=_blocks(n, block_size)))
-    if (scales < 0).any():
-        raise CodecError(f"{what} payload has a negative block scale; the payload is corrupt")
+    _scales_and_body(payload, n, block_size, (n + 1) // 2, what)
 
 
 def _encode_int2(x: np.ndarray, block_size: int) -> bytes:
@@ -219,13 +225,7 @@ def _encode_int2(x: np.ndarray, block_size: int) -> bytes:
 
 
 def _int2_parts(payload: bytes, n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    _check_block_size(block_size)
-    nb = _blocks(n, block_size)
-    _expect_len(payload, 4 * nb + (n + 3) // 4, "int2")
-    scales = _finite(np.frombuffer(payload, "<f4", count=nb))
-    if (scales < 0).any():
-        raise CodecError("int2 payload has a negative block scale; the payload is corrupt")
-    return scales, np.frombuffer(payload, np.uint8, offset=4 * nb)
+    return _scales_and_body(payload, n, block_size, (n + 3) // 4, "int2")
 
 
 def _check_int2(payload: bytes, n: int, block_size: int) -> None:
@@ -238,10 +238,6 @@ def _decode_int2(payload: bytes, n: int, block_size: int) -> np.ndarray:
     levels = codes.astype(np.float32) - 1.5
     decoded: np.ndarray = (levels * np.repeat(scales, block_size)[:n]).astype(np.float32)
     return decoded
-
-
-def _sign_payload_len(n: int, block_size: int) -> int:
-    return 4 * _blocks(n, block_size) + (n + 7) // 8
 
 
 def _encode_sign(x: np.ndarray, block_size: int) -> bytes:
@@ -257,13 +253,7 @@ def _encode_sign(x: np.ndarray, block_size: int) -> bytes:
 
 
 def _sign_parts(payload: bytes, n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    _check_block_size(block_size)
-    _expect_len(payload, _sign_payload_len(n, block_size), "sign")
-    nb = _blocks(n, block_size)
-    scales = _finite(np.frombuffer(payload, "<f4", count=nb))
-    if (scales < 0).any():
-        raise CodecError("sign payload has a negative block scale; the payload is corrupt")
-    return scales, np.frombuffer(payload, np.uint8, offset=4 * nb)
+    return _scales_and_body(payload, n, block_size, (n + 7) // 8, "sign")
 
 
 def _check_sign(payload: bytes, n: int, block_size: int) -> None:
@@ -292,11 +282,6 @@ def _topk_layout(n: int, block_size: int) -> tuple[int, int, np.dtype[np.unsigne
     return _blocks(n, block_size), kept, offset
 
 
-def _topk_payload_len(n: int, block_size: int) -> int:
-    nb, kept, offset = _topk_layout(n, block_size)
-    return 4 * nb + offset.itemsize * nb * kept + (nb * kept + 1) // 2
-
-
 def _encode_topk(x: np.ndarray, block_size: int) -> bytes:
     """The largest 1/32 of each block's values by magnitude, in 4-bit: per block a scale
     (their absmax / 7, float32), their offsets in the block in increasing order, and their
@@ -320,19 +305,17 @@ def _topk_parts(
     payload: bytes, n: int, block_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Checked scales, offsets (blocks x kept) and codes of a topk payload."""
-    _expect_len(payload, _topk_payload_len(n, block_size), "topk")
     nb, kept, offset = _topk_layout(n, block_size)
-    scales = _finite(np.frombuffer(payload, "<f4", count=nb))
-    if (scales < 0).any():
-        raise CodecError("topk payload has a negative block scale; the payload is corrupt")
-    where = np.frombuffer(payload, offset, count=nb * kept, offset=4 * nb).reshape(nb, kept)
+    offsets_len = offset.itemsize * nb * kept
+    scales, body = _scales_and_body(
+        payload, n, block_size, offsets_len + (nb * kept + 1) // 2, "topk"
+    )
+    where = np.frombuffer(body[:offsets_len].tobytes(), offset).reshape(nb, kept)
     if (where >= block_size).any() or (np.diff(where.astype(np.int64), axis=1) <= 0).any():
         raise CodecError(
             "topk payload has offsets out of their block or not increasing; the payload is corrupt"
         )
-    start = 4 * nb + offset.itemsize * nb * kept
-    codes = _unpack_nibbles(np.frombuffer(payload, np.uint8, offset=start), nb * kept)
-    return scales, where, codes
+    return scales, where, _unpack_nibbles(body[offsets_len:], nb * kept)
 
 
 def _check_topk(payload: bytes, n: int, block_size: int) -> None:
@@ -358,12 +341,7 @@ def _check_float(itemsize: int, dtype: object, what: str) -> Callable[[bytes, in
 
 
 def _check_int8(payload: bytes, n: int, block_size: int) -> None:
-    _check_block_size(block_size)
-    nb = _blocks(n, block_size)
-    _expect_len(payload, 4 * nb + n, "int8")
-    scales = _finite(np.frombuffer(payload, "<f4", count=nb))
-    if (scales < 0).any():
-        raise CodecError("int8 payload has a negative block scale; the payload is corrupt")
+    _scales_and_body(payload, n, block_size, n, "int8")
 
 
 @dataclass(frozen=True)
