@@ -88,18 +88,9 @@ def _decode_bf16(payload: bytes, n: int, _: int) -> np.ndarray:
     return _finite(np.frombuffer(payload, ml_dtypes.bfloat16).astype(np.float32))
 
 
-def _int8_scales(x: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    n = x.size
-    padded = np.zeros(_blocks(n, block_size) * block_size, np.float32)
-    padded[:n] = x
-    blocks = padded.reshape(-1, block_size)
-    scales = np.abs(blocks).max(axis=1) / 127.0
-    return blocks, scales.astype(np.float32)
-
-
 def _encode_int8(x: np.ndarray, block_size: int) -> bytes:
-    _check_block_size(block_size)
-    blocks, scales = _int8_scales(np.asarray(x, np.float32), block_size)
+    blocks, absmax = _absmax_blocks(np.asarray(x, np.float32), block_size)
+    scales = absmax / 127.0
     safe = np.where(scales > 0, scales, 1.0)[:, None]
     q = np.clip(np.rint(blocks / safe), -127, 127).astype(np.int8).ravel()[: x.size]
     return scales.astype("<f4").tobytes() + q.tobytes()
@@ -126,8 +117,9 @@ def _padded_blocks(x: np.ndarray, block_size: int) -> np.ndarray:
 
 def _block_counts(n: int, block_size: int) -> np.ndarray:
     """How many of each block's values are real (the last block may be short)."""
-    counts = np.full(max(1, _blocks(n, block_size)), block_size, np.float32)
-    counts[-1] = n - (counts.size - 1) * block_size if n else block_size
+    counts = np.full(_blocks(n, block_size), block_size, np.float32)
+    if n:
+        counts[-1] = n - (counts.size - 1) * block_size
     return counts
 
 
@@ -215,7 +207,7 @@ def _encode_int2(x: np.ndarray, block_size: int) -> bytes:
     Four codes a byte, the first in the lowest bits."""
     n = x.size
     blocks = _padded_blocks(np.asarray(x, np.float32), block_size)
-    counts = _block_counts(n, block_size)[: blocks.shape[0]]
+    counts = _block_counts(n, block_size)
     scales = np.sqrt(np.square(blocks).sum(axis=1) / counts).astype(np.float32)
     safe = np.where(scales > 0, scales, 1.0)[:, None]
     q = np.clip(np.floor(blocks / safe) + 2, 0, 3).astype(np.uint8).ravel()[:n]
@@ -246,7 +238,7 @@ def _encode_sign(x: np.ndarray, block_size: int) -> bytes:
     positive, and error feedback takes the difference back."""
     x = np.asarray(x, np.float32)
     blocks = _padded_blocks(x, block_size)
-    counts = _block_counts(x.size, block_size)[: blocks.shape[0]]
+    counts = _block_counts(x.size, block_size)
     scales = (np.abs(blocks).sum(axis=1) / counts).astype(np.float32)
     bits = np.packbits(x >= 0, bitorder="little")
     return bytes(scales.astype("<f4").tobytes() + bits.tobytes())
