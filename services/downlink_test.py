@@ -9,11 +9,13 @@ from services.downlink import apply_delta, encode_delta
     ("name", "owed"),
     [
         ("fp32", 0.0),
-        ("bf16", 0.01),
-        ("int8", 0.01),
-        ("int4-uniform", 0.05),
+        ("bf16", 0.002),
+        ("int8", 0.002),
+        ("int4-uniform", 0.03),
         ("e3m0", 0.05),
-        ("topk", 0.5),
+        ("int2", 0.5),
+        ("sign", 0.75),
+        ("topk", 0.2),
     ],
 )
 def test_learners_rebuild_every_version_bit_for_bit_and_follow_the_optimizer(

@@ -13,6 +13,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.codec import REGISTRY
+
 CHART = Path(__file__).resolve().parents[1] / "helm" / "atoll"
 OVERLAYS = sorted((CHART / "examples").glob("values-*.yaml"))
 KUBE_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0"]
@@ -116,8 +118,6 @@ def test_bad_values_are_refused_by_the_schema(values: dict[str, Any], match: str
 
 
 def test_the_schema_offers_exactly_the_codecs_atoll_has() -> None:
-    from services.codec import REGISTRY
-
     schema = json.loads((CHART / "values.schema.json").read_text())
     offered = schema["properties"]["job"]["properties"]["codec"]["enum"]
     assert sorted(offered) == sorted(REGISTRY)

@@ -113,7 +113,7 @@ class PayloadHeader(_message.Message):
     fragment: _builtins.int
     codec: Global___Codec.ValueType
     block_size: _builtins.int
-    """codec parameter (int8/int4/e3m0/topk); 0 for fp32/bf16"""
+    """values per block scale (every codec but fp32/bf16); 0 for those"""
     num_elements: _builtins.int
     """float32 values the payload decodes to"""
     checksum: _builtins.int
