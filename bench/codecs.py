@@ -45,7 +45,8 @@ def run(settings: CodecsBench) -> None:
             for _ in range(settings.rounds):
                 delta = _sample(rng, kind, settings.values)
                 true_sum += delta
-                sent_sum += codec.decode(feedback.encode(delta), x.size, settings.block_size)
+                segments = feedback.encode(delta)
+                sent_sum += codecs.decode_segments(codec, segments, x.size, settings.block_size)
             rows.append(
                 {
                     "distribution": kind,

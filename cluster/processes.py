@@ -132,11 +132,15 @@ class SynchronizerChild(Child):
         self.start()
         ports = wait_for_file(port_file, self, timeout_s)
         self.port, self.metrics_port = ports["grpc"], ports["metrics"]
+        # A restart comes back on the same address, where learners look for it.
+        listen = self.args.index("--listen") + 1
+        self.args[listen] = f"127.0.0.1:{self.port}"
         return self
 
 
-def synchronizer_args(port: int, redis_url: str) -> list[str]:
-    """`atoll synchronizer` on a loopback port (0: any), metrics on any port, this Redis."""
+def synchronizer_args(port: int, redis_url: str, tensor_store: str) -> list[str]:
+    """`atoll synchronizer` on a loopback port (0: any), metrics on any port, this Redis and
+    tensor store."""
     return [
         "synchronizer",
         "--listen",
@@ -145,6 +149,8 @@ def synchronizer_args(port: int, redis_url: str) -> list[str]:
         "127.0.0.1:0",
         "--redis-url",
         redis_url,
+        "--tensor-store",
+        tensor_store,
     ]
 
 
@@ -154,10 +160,12 @@ def synchronizer_child(
     replica: str,
     job_args: Sequence[str] = (),
     port: int = 0,
+    tensor_store: Path | None = None,
 ) -> SynchronizerChild:
+    """A replica; replicas of one workdir share its `tensors` folder as their tensor store."""
     log_path = workdir / f"{replica}.log"
     args = atoll_command(
-        *synchronizer_args(port, redis_url),
+        *synchronizer_args(port, redis_url, str(tensor_store or workdir / "tensors")),
         "--replica-id",
         replica,
         "--port-file",

@@ -30,12 +30,11 @@ from cluster.report import build_report, check_invariants, merged_by_incarnation
 from cluster.settings import UpSettings
 from cluster.view import ClusterState, LiveView, read_state
 from learner.settings import ModelConfig
-from services.codec import checksum
 from services.config import JobConfig
 from services.goodput import commits, provisioned_seconds
 from services.tape import Tape
 from services.tape import read as read_tape
-from synchronizer.store import job_key
+from synchronizer import inspect
 
 QUIET_BEFORE_STOP_S = 1.0
 LINGER_S = 600.0
@@ -350,14 +349,10 @@ class LocalCluster:
             for c in self.learners
             if self.summary_path(c.name).exists()
         ]
-        logs = [
-            [json.loads(e) for e in r.lrange(job_key(self.s.job, "log", p), 0, -1)]
-            for p in range(self.s.fragments)
-        ]
-        global_sums = []
-        for p in range(self.s.fragments):
-            value = r.get(job_key(self.s.job, "theta", p))
-            global_sums.append(checksum(value) if isinstance(value, bytes) else -1)
+        logs = [inspect.commit_log(r, self.s.job, p) for p in range(self.s.fragments)]
+        global_sums = inspect.global_checksums(
+            r, self.s.job, self.s.fragments, str(self.workdir / "tensors")
+        )
         end = self.training_ended or time.time()
         self._close_tape(r, logs)
         invariants = check_invariants(
@@ -371,11 +366,11 @@ class LocalCluster:
         evals = [s["eval_loss"] for s in summaries if s["eval_loss"] is not None]
         # A slot that ended dead wrote no summary: count its steps as the synchronizer last
         # heard them (each slot's newest step count, from its heartbeats).
-        heard = r.hgetall(job_key(self.s.job, "slot_steps"))
+        heard = inspect.slot_steps(r, self.s.job)
         batches = self.batch_sizes()
         reported = {s["learner"] for s in summaries}
         unreported = {
-            c.name: (int(float(heard.get(c.name.encode(), 0))), batches[i] * self.s.context)
+            c.name: (heard.get(c.name, 0), batches[i] * self.s.context)
             for i, c in enumerate(self.learners)
             if c.name not in reported
         }
@@ -406,11 +401,7 @@ class LocalCluster:
                     self.tape.write(
                         "merged", at=float(entry["committed_at"]), backfilled=True, **entry
                     )
-        pending = sorted(
-            uid.decode()
-            for p in range(self.s.fragments)
-            for uid in r.hkeys(job_key(self.s.job, "pmeta", p))
-        )
+        pending = inspect.pending(r, self.s.job, self.s.fragments)
         self.tape.write("run_ended", pending=pending)
         self.tape.close()
 

@@ -16,7 +16,7 @@ from cluster.settings import UpSettings
 from learner.model import TransformerConfig
 from services.bandwidth import dp_equivalent_bytes
 from services.goodput import goodput, provisioned_seconds
-from synchronizer.store import job_key
+from synchronizer import inspect
 
 PLAIN_EVERY_S = 10.0
 
@@ -49,20 +49,10 @@ def read_state(r: Any, settings: UpSettings, started: float) -> ClusterState:
     try:
         seconds, micros = r.time()
         state.now_ms = seconds * 1000 + micros / 1000
-        for name, expiry in r.zrange(job_key(job, "learners"), 0, -1, withscores=True):
-            fields = {
-                _text(k): _text(v)
-                for k, v in r.hgetall(job_key(job, "learner", _text(name))).items()
-            }
-            fields["lease_expiry_ms"] = str(expiry)
-            state.learners[_text(name)] = fields
-        state.versions = [
-            int(r.hget(job_key(job, "frag", p), "version") or 0) for p in range(settings.fragments)
-        ]
-        state.stats = {_text(k): float(v) for k, v in r.hgetall(job_key(job, "stats")).items()}
-        state.pending = sum(
-            int(r.hlen(job_key(job, "pmeta", p))) for p in range(settings.fragments)
-        )
+        state.learners = inspect.learners(r, job)
+        state.versions = inspect.versions(r, job, settings.fragments)
+        state.stats = inspect.stats(r, job, settings.fragments)
+        state.pending = len(inspect.pending(r, job, settings.fragments))
     except redis.RedisError:
         pass  # Redis may be restarting; show what we have
     return state

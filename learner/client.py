@@ -1,10 +1,15 @@
-"""The learner's side of the atoll.v1 protocol, over a background stream.
+"""The learner's side of the atoll.v1 protocol, over background threads.
 
 It knows nothing of JAX: it sends encoded fragments, hands back acks and new global
-fragments as numpy arrays, and keeps the session alive. When the stream breaks it
-reconnects (exponential backoff with jitter, over every synchronizer address it was given),
-re-sends every update not yet acknowledged (the synchronizer deduplicates them) and fetches
-the fragments whose version moved while it was away. Sending never blocks the caller.
+fragments as numpy arrays, and keeps the session alive. Two paths:
+- the control session, with any synchronizer replica: hello, heartbeats; welcome, the owner
+  map, commit notices, new global fragments, the job's status. When it breaks it reconnects
+  (exponential backoff with jitter, over every address it was given) for as long as the
+  learner lives, and fetches the fragments whose version moved while it was away;
+- ingest: each update goes, chunk by chunk, to the replica that owns its fragment (an Ingest
+  call). An update is kept until its owner says it is committed; if the owner changes first
+  (its epoch moves), it is sent again to the new owner, which deduplicates it.
+Sending never blocks the caller.
 """
 
 from __future__ import annotations
@@ -20,21 +25,23 @@ from typing import Any
 import grpc
 import numpy as np
 import structlog
-from google.protobuf.message import Message
+import xxhash
 
 from services import codec as codecs
 from services import telemetry as tm
-from services.downlink import apply_delta
+from services.codec import Segment
+from services.downlink import apply_segment
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.grpcopts import backoff_delays, channel_options
 from services.layout import LeafSpec
-from services.wire import DEFAULT_MAX_CHUNK_BYTES, ChunkAssembler, make_header, split
+from services.wire import DEFAULT_MAX_CHUNK_BYTES
 from services.wirecount import counting_parser, counting_serializer
 
 SERVICE = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
 
 log = structlog.get_logger("atoll.learner.client")
-RESEND_DELAY_S = 0.5
+INGEST_TIMEOUT_S = 120.0
+NO_OWNER_WAIT_S = 0.2
 
 
 class SessionError(RuntimeError):
@@ -48,17 +55,21 @@ class GlobalFragment:
     values: np.ndarray
 
 
-@dataclass
+@dataclass(eq=False)
 class _Outgoing:
+    """An update kept until committed (or refused, or, for initial values, taken)."""
+
     seq: int
-    messages: list[bytes]  # serialized once; a re-send after a reconnect sends them again
+    fragment: int
+    chunks: list[session_pb2.UpdateChunk]
+    received_epoch: int | None = None  # the owner epoch it was received under
 
 
-# What the session's stream sends: a message, or one already serialized (an update's chunk).
+# What the session's stream sends: a message, or one already serialized.
 Outbound = session_pb2.LearnerMessage | bytes
 
 
-def _serialize(message: Message | bytes) -> bytes:
+def _serialize(message: Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
@@ -67,7 +78,8 @@ class ClientStats:
     bytes_up: int = 0
     bytes_down: int = 0
     reconnects: int = 0
-    acks: dict[int, session_pb2.Ack] = field(default_factory=dict)
+    acks: dict[int, session_pb2.Ack] = field(default_factory=dict)  # final acks by seq
+    received: int = 0  # RECEIVED acks, resends included
 
 
 _FATAL = {
@@ -77,6 +89,55 @@ _FATAL = {
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.ABORTED,
 }
+
+
+def segments_of(payload: bytes | Sequence[Segment], codec: int, n: int) -> list[Segment]:
+    """An update's segments; a whole float32 payload is cut into segments of 1 MiB."""
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        return list(payload)
+    if codec not in (fragment_pb2.CODEC_FP32, fragment_pb2.CODEC_UNSPECIFIED):
+        raise ValueError("a payload of a blocked codec must be given as segments")
+    step = DEFAULT_MAX_CHUNK_BYTES // 4
+    data = bytes(payload)
+    return [
+        Segment(start, min(n, start + step) - start, data[4 * start : 4 * min(n, start + step)])
+        for start in range(0, max(1, n), step)
+    ]
+
+
+class _Assembly:
+    """One global value coming in chunk by chunk: each chunk lands in place as it arrives."""
+
+    def __init__(self, chunk: fragment_pb2.GlobalFragmentChunk, base: np.ndarray | None) -> None:
+        self.header = chunk.header
+        self.version, self.delta, self.base = chunk.version, chunk.delta, base
+        self.values = np.empty(chunk.header.num_elements, np.float32)
+        self.next = 0
+        self.hasher = xxhash.xxh3_64()
+        self.codec = codecs.by_wire(chunk.header.codec)
+
+    def feed(self, chunk: fragment_pb2.GlobalFragmentChunk) -> bool:
+        """Add one chunk; True once the value is whole and checked."""
+        if chunk.chunk_index != self.next or chunk.header != self.header:
+            raise ValueError("global fragment chunks out of order")
+        segment = Segment(int(chunk.value_offset), int(chunk.value_count), chunk.data)
+        if segment.offset + segment.count > self.values.size:
+            raise ValueError("global fragment chunk beyond the fragment")
+        if self.delta:
+            assert self.base is not None
+            apply_segment(self.base, self.values, segment, self.codec, self.header.block_size)
+        else:
+            end = segment.offset + segment.count
+            self.values[segment.offset : end] = self.codec.decode(
+                segment.data, segment.count, self.header.block_size
+            )
+        self.hasher.update(chunk.data)
+        self.next += 1
+        if self.next < self.header.chunk_count:
+            return False
+        if self.hasher.intdigest() != self.header.checksum:
+            raise ValueError("global fragment checksum mismatch")
+        return True
 
 
 class SynchronizerClient:
@@ -108,23 +169,28 @@ class SynchronizerClient:
         # The newest global value held per fragment, exactly as the synchronizer holds it:
         # deltas apply onto it (services.downlink).
         self._canonical: dict[int, tuple[int, np.ndarray]] = {}
+        self.owners: dict[int, session_pb2.FragmentOwner] = {}
         self.step = 0
         self._seq = itertools.count(1)
         self._lock = threading.Condition()
         self._unacked: dict[int, _Outgoing] = {}
         self._outbox: queue.Queue[Outbound | None] | None = None
         self._channel: grpc.Channel | None = None
+        self._owner_channels: dict[str, grpc.Channel] = {}
         self._closed = threading.Event()
         self._connected = threading.Event()
         self._fatal: SessionError | None = None
         self._address_cycle = itertools.cycle(self.addresses)
         self._thread: threading.Thread | None = None
+        self._ingester: threading.Thread | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
     def connect(self) -> session_pb2.Welcome:
         """Open the session (in the background, reconnecting as needed); return the welcome."""
         self._thread = threading.Thread(target=self._run, name="atoll-session", daemon=True)
         self._thread.start()
+        self._ingester = threading.Thread(target=self._ingest, name="atoll-ingest", daemon=True)
+        self._ingester.start()
         if not self._connected.wait(self.connect_timeout_s):
             self.close()
             if self._fatal is not None:
@@ -140,13 +206,18 @@ class SynchronizerClient:
 
     def close(self) -> None:
         self._closed.set()
+        with self._lock:
+            self._lock.notify_all()
         outbox = self._outbox
         if outbox is not None:
             outbox.put(None)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        for thread in (self._thread, self._ingester):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=5)
         if self._channel is not None:
             self._channel.close()
+        for channel in self._owner_channels.values():
+            channel.close()
 
     def check(self) -> None:
         """Raise the session's fatal error, if the synchronizer refused it."""
@@ -158,7 +229,7 @@ class SynchronizerClient:
         self,
         *,
         fragment: int,
-        payload: bytes,
+        payload: bytes | Sequence[Segment],
         codec: int,
         block_size: int,
         num_elements: int,
@@ -166,34 +237,48 @@ class SynchronizerClient:
         c_steps: int = 0,
         c_tokens: int = 0,
         compute_seconds: float = 0.0,
+        tensor_norms: Sequence[float] = (),
         kind: int = session_pb2.UPDATE_KIND_OUTER_GRADIENT,
-        max_chunk: int | None = None,
     ) -> int:
-        """Queue one update; return its seq. It is re-sent after a reconnect until acked."""
-        size = max_chunk or (
-            self.welcome.config.max_chunk_bytes if self.welcome else DEFAULT_MAX_CHUNK_BYTES
-        )
+        """Queue one update; return its seq. It is sent to its fragment's owner, and again
+        to a new owner, until it is committed."""
         seq = next(self._seq)
-        header = make_header(fragment, codec, block_size, num_elements, payload, size)
-        # Built in place and serialized here, in the caller's thread: a chunk's bytes are
-        # copied once into the message and once out, and the stream's thread only sends.
-        messages: list[bytes] = []
-        for i, data in enumerate(split(payload, size)):
-            built = session_pb2.LearnerMessage()
-            chunk = built.update  # set in place: no copy of a built chunk
+        segments = segments_of(payload, codec, num_elements)
+        hasher = xxhash.xxh3_64()
+        for s in segments:
+            hasher.update(s.data)
+        header = fragment_pb2.PayloadHeader(
+            fragment=fragment,
+            codec=codec,  # type: ignore[arg-type]
+            block_size=block_size,
+            num_elements=num_elements,
+            checksum=hasher.intdigest(),
+            chunk_count=len(segments),
+            total_bytes=sum(len(s.data) for s in segments),
+        )
+        chunks = []
+        for i, s in enumerate(segments):
+            chunk = session_pb2.UpdateChunk(
+                kind=kind,  # type: ignore[arg-type]
+                seq=seq,
+                base_version=base_version,
+                c_steps=c_steps,
+                c_tokens=c_tokens,
+                compute_seconds=compute_seconds,
+                chunk_index=i,
+                data=s.data,
+                value_offset=s.offset,
+                value_count=s.count,
+                learner_id=self.learner_id,
+                incarnation=self.incarnation,
+            )
             chunk.header.CopyFrom(header)
-            chunk.kind = kind  # type: ignore[assignment]
-            chunk.seq, chunk.base_version, chunk.chunk_index = seq, base_version, i
-            chunk.c_steps, chunk.c_tokens = c_steps, c_tokens
-            chunk.compute_seconds = compute_seconds
-            chunk.data = data
-            messages.append(built.SerializeToString())
+            if i == 0:
+                chunk.tensor_norms.extend(tensor_norms)
+            chunks.append(chunk)
         with self._lock:
-            self._unacked[seq] = _Outgoing(seq, messages)
-            outbox = self._outbox
-            if outbox is not None and self._connected.is_set():
-                for serialized in messages:
-                    outbox.put(serialized)
+            self._unacked[seq] = _Outgoing(seq, fragment, chunks)
+            self._lock.notify_all()
         return seq
 
     def send_initial(self, fragment: int, values: np.ndarray) -> int:
@@ -208,13 +293,19 @@ class SynchronizerClient:
             kind=session_pb2.UPDATE_KIND_INITIAL,
         )
 
-    def send_raw(self, chunks: Sequence[session_pb2.UpdateChunk]) -> None:
-        """Put hand-built chunks on the stream as they are (for protocol tests)."""
-        with self._lock:
-            assert self._outbox is not None
-            for chunk in chunks:
-                self._unacked.setdefault(chunk.seq, _Outgoing(chunk.seq, []))
-                self._outbox.put(session_pb2.LearnerMessage(update=chunk).SerializeToString())
+    def ingest_raw(self, chunks: Sequence[session_pb2.UpdateChunk]) -> session_pb2.Ack:
+        """Send hand-built chunks as they are to their fragment's owner (protocol tests)."""
+        fragment = chunks[0].header.fragment
+        deadline = time.monotonic() + 30
+        while not self.owners:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no fragment owner is known")
+            time.sleep(0.05)
+        # A fragment that does not exist has no owner: any replica refuses it.
+        owner = self.owners.get(fragment) or next(iter(self.owners.values()))
+        call = self._ingest_call(owner.address)
+        ack: session_pb2.Ack = call(iter(chunks), timeout=INGEST_TIMEOUT_S)
+        return ack
 
     def heartbeat(
         self,
@@ -247,20 +338,92 @@ class SynchronizerClient:
                 )
             )
 
-    def wait_ack(self, seq: int, timeout: float) -> session_pb2.Ack:
+    def wait_ack(self, seq: int, timeout: float, received: bool = False) -> session_pb2.Ack:
+        """Wait for an update's final ack (or, with `received`, for its owner to have it)."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while seq not in self.stats.acks:
+            while True:
                 self.check()
+                if seq in self.stats.acks:
+                    return self.stats.acks[seq]
+                out = self._unacked.get(seq)
+                if received and out is not None and out.received_epoch is not None:
+                    return session_pb2.Ack(
+                        seq=seq, status=session_pb2.ACK_STATUS_RECEIVED, epoch=out.received_epoch
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no ack for update {seq} within {timeout:.1f} s")
                 self._lock.wait(min(left, 0.5))
-            return self.stats.acks[seq]
 
     def unacked(self) -> int:
+        """Updates not committed (or refused) yet."""
         with self._lock:
             return len(self._unacked)
+
+    def _finish(self, ack: session_pb2.Ack) -> None:
+        """An update's final ack (under the lock)."""
+        if ack.seq in self._unacked:
+            del self._unacked[ack.seq]
+            self.stats.acks[ack.seq] = ack
+            self._lock.notify_all()
+
+    # --- ingest: updates to their fragments' owners -------------------------------------
+    def _ingest_call(self, address: str) -> Any:
+        channel = self._owner_channels.get(address)
+        if channel is None:
+            channel = grpc.insecure_channel(address, options=channel_options(self.max_backoff_s))
+            self._owner_channels[address] = channel
+        return channel.stream_unary(
+            f"/{SERVICE}/Ingest",
+            request_serializer=counting_serializer(_serialize, self._count_up),
+            response_deserializer=counting_parser(session_pb2.Ack.FromString, self._count_down),
+        )
+
+    def _next_to_send(self) -> tuple[_Outgoing, session_pb2.FragmentOwner] | None:
+        """The oldest update that its fragment's current owner does not hold (under lock)."""
+        for seq in sorted(self._unacked):
+            out = self._unacked[seq]
+            owner = self.owners.get(out.fragment)
+            if owner is None:
+                continue
+            if out.received_epoch is None or out.received_epoch != owner.epoch:
+                return out, owner
+        return None
+
+    def _ingest(self) -> None:
+        delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
+        while not self._closed.is_set():
+            with self._lock:
+                picked = self._next_to_send()
+                if picked is None:
+                    self._lock.wait(NO_OWNER_WAIT_S)
+                    continue
+            out, owner = picked
+            try:
+                ack = self._ingest_call(owner.address)(iter(out.chunks), timeout=INGEST_TIMEOUT_S)
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else None
+                log.info(
+                    "ingest_retry",
+                    fragment=out.fragment,
+                    seq=out.seq,
+                    owner=owner.replica,
+                    code=str(code),
+                )
+                # The owner map will move (a new owner) or the owner comes back: wait a bit.
+                self._closed.wait(next(delays))
+                continue
+            delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
+            with self._lock:
+                if ack.status == session_pb2.ACK_STATUS_RECEIVED:
+                    self.stats.received += 1
+                    current = self._unacked.get(out.seq)
+                    if current is not None:
+                        current.received_epoch = ack.epoch
+                        self._lock.notify_all()
+                else:
+                    self._finish(ack)
 
     # --- fetching -----------------------------------------------------------------------
     def fetch_state(
@@ -288,13 +451,13 @@ class SynchronizerClient:
             held={p: codecs.checksum(v.tobytes()) for p, v in mine.items()},
         )
         out: list[GlobalFragment] = []
-        assembler = ChunkAssembler()
+        assembling: dict[int, _Assembly] = {}
         for chunk in fetch(request, timeout=120):
             p = chunk.header.fragment
             if chunk.unchanged and p in mine:
                 out.append(GlobalFragment(p, chunk.version, mine[p].copy()))
                 continue
-            got = self._assemble(assembler, chunk)
+            got = self._assemble(assembling, chunk)
             if got is not None:
                 out.append(got)
         for g in out:
@@ -376,16 +539,24 @@ class SynchronizerClient:
         outbox.put(self._hello())
         self._outbox = outbox
         responses = session(self._requests(outbox))
-        assembler = ChunkAssembler()
+        assembling: dict[int, _Assembly] = {}
         try:
             for message in responses:
                 kind = message.WhichOneof("kind")
                 if kind == "welcome":
-                    self._on_welcome(message.welcome, outbox, first)
+                    self._on_welcome(message.welcome, first)
                 elif kind == "ack":
-                    self._on_ack(message.ack, outbox)
+                    with self._lock:
+                        self._finish(message.ack)
+                elif kind == "owners":
+                    self._on_owners(message.owners.owners)
                 elif kind == "fragment":
-                    got = self._assemble(assembler, message.fragment)
+                    try:
+                        got = self._assemble(assembling, message.fragment)
+                    except ValueError as err:
+                        log.warning("fragment_dropped", error=str(err))
+                        assembling.pop(message.fragment.header.fragment, None)
+                        continue
                     if got is not None:
                         self._hold(got)
                         self._deliver(got)
@@ -397,40 +568,21 @@ class SynchronizerClient:
             outbox.put(None)
             responses.cancel()
 
-    def _on_ack(self, ack: session_pb2.Ack, outbox: queue.Queue[Outbound | None]) -> None:
-        if ack.code == grpc.StatusCode.UNAVAILABLE.value[0]:
-            # The synchronizer could not store it: send it again shortly, same seq.
-            def resend() -> None:
-                # Under the lock that send_update holds: one update's chunks never interleave
-                # with another's on the stream.
-                with self._lock:
-                    out = self._unacked.get(ack.seq)
-                    if out is not None and not self._closed.is_set():
-                        for message in out.messages:
-                            outbox.put(message)
-
-            timer = threading.Timer(RESEND_DELAY_S, resend)
-            timer.daemon = True
-            timer.start()
-            return
+    def _on_owners(self, owners: Sequence[session_pb2.FragmentOwner]) -> None:
         with self._lock:
-            self.stats.acks[ack.seq] = ack
-            self._unacked.pop(ack.seq, None)
+            self.owners = {o.fragment: o for o in owners}
             self._lock.notify_all()
 
-    def _on_welcome(
-        self,
-        welcome: session_pb2.Welcome,
-        outbox: queue.Queue[Outbound | None],
-        first: bool,
-    ) -> None:
+    def _on_welcome(self, welcome: session_pb2.Welcome, first: bool) -> None:
         self.welcome = welcome
-        with self._lock:
-            pending = [self._unacked[s] for s in sorted(self._unacked)]
-            for out in pending:
-                for message in out.messages:
-                    outbox.put(message)
+        self._on_owners(welcome.owners)
         if not first:
+            with self._lock:
+                # Commit notices may have gone by while away: ask each owner again.
+                for out in self._unacked.values():
+                    out.received_epoch = None
+                pending = len(self._unacked)
+                self._lock.notify_all()
             tm.REJOINS.inc()
             moved = [
                 p for p, v in enumerate(welcome.versions) if v > self.known_versions.get(p, -1)
@@ -438,7 +590,7 @@ class SynchronizerClient:
             log.info(
                 "reconnected",
                 synchronizer=welcome.synchronizer_id,
-                resent=len(pending),
+                resent=pending,
                 moved=len(moved),
             )
             if moved and welcome.initialized:
@@ -452,26 +604,32 @@ class SynchronizerClient:
         return self.job_status is not None and self.job_status.finish
 
     def _assemble(
-        self, assembler: ChunkAssembler, chunk: fragment_pb2.GlobalFragmentChunk
+        self, assembling: dict[int, _Assembly], chunk: fragment_pb2.GlobalFragmentChunk
     ) -> GlobalFragment | None:
         """A whole global value from its chunks: sent whole, or rebuilt from a delta onto the
         value held (a delta that does not follow it brings a whole copy instead)."""
-        payload = assembler.feed(chunk.header, chunk.chunk_index, chunk.data)
-        if payload is None:
-            return None
         p = chunk.header.fragment
-        if not chunk.delta:
-            return GlobalFragment(p, chunk.version, np.frombuffer(payload, "<f4").copy())
-        held = self._canonical.get(p)
-        if held is not None and held[0] >= chunk.version:
-            return None  # already held (a whole copy overtook this delta)
-        if held is None or held[0] != chunk.base_version:
-            log.info("delta_gap", fragment=p, held=held and held[0], base=chunk.base_version)
-            fetched = self._fetch([p])  # delivered by the caller, like a pushed value
-            return fetched[0] if fetched else None
-        codec = codecs.by_wire(chunk.header.codec)
-        values = apply_delta(held[1], payload, codec, chunk.header.block_size)
-        return GlobalFragment(p, chunk.version, values)
+        if chunk.chunk_index == 0:
+            base = None
+            if chunk.delta:
+                held = self._canonical.get(p)
+                if held is not None and held[0] >= chunk.version:
+                    return None  # already held (a whole copy overtook this delta)
+                if held is None or held[0] != chunk.base_version:
+                    log.info(
+                        "delta_gap", fragment=p, held=held and held[0], base=chunk.base_version
+                    )
+                    fetched = self._fetch([p])  # delivered by the caller, like a pushed value
+                    return fetched[0] if fetched else None
+                base = held[1]
+            assembling[p] = _Assembly(chunk, base)
+        assembly = assembling.get(p)
+        if assembly is None or assembly.version != chunk.version:
+            return None  # the rest of a value whose start was skipped
+        if not assembly.feed(chunk):
+            return None
+        del assembling[p]
+        return GlobalFragment(p, assembly.version, assembly.values)
 
     def _hold(self, got: GlobalFragment) -> None:
         held = self._canonical.get(got.fragment)

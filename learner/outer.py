@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.codec import Codec, ErrorFeedback
+from services.codec import Codec, ErrorFeedback, Segment
 
 
 def fragment_offset(fragment: int, fragments: int, inner_steps: int) -> int:
@@ -104,7 +104,7 @@ class FragmentState:
             self.steps, self.tokens, self.compute_seconds = 0, 0, 0.0
         return send
 
-    def encode(self, send: Send, theta: np.ndarray) -> bytes:
+    def encode(self, send: Send, theta: np.ndarray) -> list[Segment]:
         """The outer gradient base - theta, encoded with error feedback (any thread; one at a
         time per fragment, as the residual carries over)."""
         self.sent_theta = theta

@@ -48,7 +48,7 @@ def test_only_the_reply_to_a_send_is_adopted() -> None:
     send = f.begin_send()
     assert (send.version, send.steps, send.tokens) == (0, 1, 100)
     payload = f.encode(send, np.full(4, -1.0, np.float32))
-    assert np.frombuffer(payload, "<f4").tolist() == [1.0] * 4
+    assert np.frombuffer(payload[0].data, "<f4").tolist() == [1.0] * 4
     assert f.in_flight
     assert f.awaiting_above == 1
     # Version 1 again, or anything not newer than what was known at send: not the reply.

@@ -401,7 +401,7 @@ class Learner:
             p, compute = self.pending_acks.pop(seq)
             status = session_pb2.AckStatus.Name(ack.status).removeprefix("ACK_STATUS_").lower()
             self.tape.write("acked", uid=self._uid(seq), fragment=p, status=status)
-            if ack.status in (session_pb2.ACK_STATUS_ACCEPTED, session_pb2.ACK_STATUS_DUPLICATE):
+            if ack.status in (session_pb2.ACK_STATUS_COMMITTED, session_pb2.ACK_STATUS_DUPLICATE):
                 tm.GOODPUT_SECONDS.inc(compute / self.P)
                 continue
             log.warning("update_refused", fragment=p, reason=ack.reason)

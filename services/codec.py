@@ -423,9 +423,54 @@ class ErrorFeedback:
     codec: Codec
     block_size: int
     residual: np.ndarray | None = None
+    chunk_bytes: int = 1 << 20  # encoded bytes per segment, at most (one wire chunk each)
 
-    def encode(self, delta: np.ndarray) -> bytes:
+    def encode(self, delta: np.ndarray) -> list[Segment]:
+        """The delta plus the residual, encoded as segments that decode on their own."""
         corrected = delta if self.residual is None else delta + self.residual
-        payload = self.codec.encode(corrected, self.block_size)
-        self.residual = corrected - self.codec.decode(payload, corrected.size, self.block_size)
-        return payload
+        segments, decoded = encode_segments(
+            self.codec, corrected, self.block_size, self.chunk_bytes
+        )
+        self.residual = corrected - decoded
+        return segments
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Values [offset, offset + count) of a fragment, encoded on their own: one wire chunk."""
+
+    offset: int
+    count: int
+    data: bytes
+
+
+def segment_values(codec: Codec, block_size: int, chunk_bytes: int) -> int:
+    """Values per segment: whole blocks, as many as fit in `chunk_bytes` encoded bytes."""
+    unit = max(1, block_size)
+    per_unit = len(codec.encode(np.ones(unit, np.float32), block_size))
+    return max(1, chunk_bytes // max(1, per_unit)) * unit
+
+
+def encode_segments(
+    codec: Codec, values: np.ndarray, block_size: int, chunk_bytes: int
+) -> tuple[list[Segment], np.ndarray]:
+    """`values` encoded segment by segment (each a whole number of blocks, so the result
+    decodes to exactly what encoding the whole would), and the decoded values."""
+    flat = np.ascontiguousarray(values, np.float32).reshape(-1)
+    step = segment_values(codec, block_size, chunk_bytes)
+    decoded = np.empty_like(flat)
+    segments = []
+    for start in range(0, max(1, flat.size), step):
+        part = flat[start : start + step]
+        data = codec.encode(part, block_size)
+        decoded[start : start + part.size] = codec.decode(data, part.size, block_size)
+        segments.append(Segment(start, part.size, data))
+    return segments, decoded
+
+
+def decode_segments(codec: Codec, segments: list[Segment], n: int, block_size: int) -> np.ndarray:
+    """The float32 values of a whole fragment's segments (tests, tools)."""
+    out = np.empty(n, np.float32)
+    for s in segments:
+        out[s.offset : s.offset + s.count] = codec.decode(s.data, s.count, block_size)
+    return out

@@ -92,8 +92,8 @@ def test_error_feedback_keeps_the_sum_within_one_quantum() -> None:
     for _ in range(50):
         delta = rng.normal(scale=0.01, size=640).astype(np.float32)
         true += delta
-        payload = ef.encode(delta)
-        sent += codecs.by_name("int8").decode(payload, 640, 64)
+        segments = ef.encode(delta)
+        sent += codecs.decode_segments(codecs.by_name("int8"), segments, 640, 64)
     assert ef.residual is not None
     # What is still owed is exactly the residual, and it is below one quantum of the last block.
     np.testing.assert_allclose(true - sent, ef.residual, atol=1e-5)
@@ -193,7 +193,7 @@ def test_topk_with_error_feedback_delivers_a_steady_signal() -> None:
     for rounds in range(1, 401):
         delta = (signal + rng.normal(scale=0.5, size=4096)).astype(np.float32)
         true += delta
-        sent += codec.decode(ef.encode(delta), 4096, 256)
+        sent += codecs.decode_segments(codec, ef.encode(delta), 4096, 256)
         if rounds == 20:
             early = np.linalg.norm(sent / rounds - signal) / np.linalg.norm(signal)
     late = np.linalg.norm(sent / rounds - signal) / np.linalg.norm(signal)
@@ -244,7 +244,7 @@ def test_sign_with_error_feedback_delivers_a_steady_signal() -> None:
     signal = rng.normal(size=4096).astype(np.float32)
     sent = np.zeros(4096, np.float64)
     for rounds in range(1, 201):
-        sent += codec.decode(ef.encode(signal), 4096, 256)
+        sent += codecs.decode_segments(codec, ef.encode(signal), 4096, 256)
         if rounds == 1:
             first = np.linalg.norm(sent - signal) / np.linalg.norm(signal)
     late = np.linalg.norm(sent / rounds - signal) / np.linalg.norm(signal)
@@ -261,3 +261,15 @@ def test_corrupt_sign_payloads_are_refused() -> None:
     with pytest.raises(codecs.CodecError, match="negative block scale"):
         codec.check(negative.tobytes(), 300, 256)
     assert codecs.by_wire(codec.wire).name == "sign"
+
+
+@pytest.mark.parametrize("name", sorted(codecs.REGISTRY))
+def test_segments_decode_to_what_encoding_the_whole_does(name: str) -> None:
+    codec = codecs.by_name(name)
+    x = np.random.default_rng(11).normal(size=10_000).astype(np.float32)
+    segments, decoded = codecs.encode_segments(codec, x, 256, 512)
+    assert len(segments) > 1  # several chunks, each of whole blocks but the last
+    assert all(s.count % 256 == 0 for s in segments[:-1])
+    whole = codec.decode(codec.encode(x, 256), x.size, 256)
+    assert decoded.tobytes() == whole.tobytes()
+    assert codecs.decode_segments(codec, segments, x.size, 256).tobytes() == whole.tobytes()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -166,7 +167,25 @@ class SynchronizerSettings(JobConfig, AtollSettings):
     """`atoll synchronizer`: one stateless replica; all state lives in Redis."""
 
     listen: str = Field("127.0.0.1:50051", description="gRPC address HOST:PORT (port 0: any)")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding all state")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis holding the control state: redis://HOST:PORT/DB, rediss://..., "
+        "unix:///path.sock, redis+cluster://HOST:PORT (any node of a Redis Cluster) or "
+        "redis+sentinel://HOST:PORT/SERVICE; the password is best given in the file named by "
+        "ATOLL_REDIS_PASSWORD_FILE",
+    )
+    tensor_store: str = Field(
+        str(Path(tempfile.gettempdir()) / "atoll-tensors"),
+        description="where fragment values, optimizer states and deltas live: a directory "
+        "(every replica of a job must see the same one) or s3://bucket/prefix, "
+        "gs://bucket/prefix, az://container/prefix",
+    )
+    advertise: str | None = Field(
+        None,
+        description="HOST:PORT learners reach this replica at for the fragments it owns "
+        "(default: the listen host, or this host's name when listening on all addresses, "
+        "with the bound port)",
+    )
     metrics_listen: str = Field(
         "127.0.0.1:9400", description="HOST:PORT serving Prometheus /metrics (port 0: any)"
     )

@@ -1,26 +1,40 @@
 """The compressed downlink: new global values travel as encoded deltas.
 
 The synchronizer defines each version of a fragment as the previous version plus the decoded
-delta it sends (`apply_delta`), and learners rebuild it with the same function, so both hold
-the same float32 values bit for bit. What encoding loses stays on the synchronizer as an
-error-feedback residual and goes out with the next delta (`encode_delta`), so the global
-value follows the outer optimizer's within one quantum. A learner that missed a delta, or
-just joined, takes a full copy instead.
+delta it sends, segment by segment (`step_segment`), and learners rebuild it with the same
+float32 addition (`apply_segment`), so both hold the same values bit for bit. What encoding
+loses stays on the synchronizer as an error-feedback residual and goes out with the next
+delta, so the global value follows the outer optimizer's within one quantum. A learner that
+missed a delta, or just joined, takes a full copy instead.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from services.codec import Codec
+from services.codec import Codec, Segment, segment_values
 
 
-def apply_delta(base: np.ndarray, payload: bytes, codec: Codec, block_size: int) -> np.ndarray:
-    """The next version: `base + decode(payload)` in float32."""
-    base32 = np.asarray(base, np.float32)
-    decoded = codec.decode(payload, base32.size, block_size)
-    version: np.ndarray = np.add(base32, decoded, dtype=np.float32)
-    return version
+def step_segment(
+    theta: np.ndarray, want: np.ndarray, residual: np.ndarray, codec: Codec, block_size: int
+) -> bytes:
+    """In place over one segment: encode `want` (the move toward the outer step's target
+    plus what earlier deltas lost), add what decodes to `theta`, keep the rest in
+    `residual`. Returns the encoded segment."""
+    data = codec.encode(want, block_size)
+    decoded = codec.decode(data, want.size, block_size)
+    np.add(theta, decoded, out=theta, dtype=np.float32)
+    np.subtract(want, decoded, out=residual, dtype=np.float32)
+    return data
+
+
+def apply_segment(
+    base: np.ndarray, out: np.ndarray, segment: Segment, codec: Codec, block_size: int
+) -> None:
+    """out[segment] = base[segment] + decode(segment), in float32, as the synchronizer did."""
+    end = segment.offset + segment.count
+    decoded = codec.decode(segment.data, segment.count, block_size)
+    np.add(base[segment.offset : end], decoded, out=out[segment.offset : end], dtype=np.float32)
 
 
 def encode_delta(
@@ -29,18 +43,30 @@ def encode_delta(
     residual: np.ndarray | None,
     codec: Codec,
     block_size: int,
-) -> tuple[bytes, np.ndarray, np.ndarray]:
-    """Encode the move from `base` (the current version) toward `target` (the outer step's
-    result) plus what earlier deltas lost. Returns the payload, the new version as every
-    learner will rebuild it, and the residual to keep."""
-    base32 = np.asarray(base, np.float32)
-    want = np.asarray(target, np.float32) - base32
+    chunk_bytes: int = 1 << 20,
+) -> tuple[list[Segment], np.ndarray, np.ndarray]:
+    """The whole move from `base` toward `target` plus `residual`, as segments; the new
+    version as learners rebuild it; the residual to keep."""
+    theta = np.array(base, np.float32)
+    want = np.asarray(target, np.float32) - theta
     if residual is not None:
         want = want + residual
-    payload = codec.encode(want, block_size)
-    version = apply_delta(base32, payload, codec, block_size)
-    return (
-        payload,
-        version,
-        (want - codec.decode(payload, want.size, block_size)).astype(np.float32),
-    )
+    kept = np.empty_like(want)
+    step = segment_values(codec, block_size, chunk_bytes)
+    segments = []
+    for start in range(0, max(1, theta.size), step):
+        s = slice(start, start + step)
+        data = step_segment(theta[s], want[s], kept[s], codec, block_size)
+        segments.append(Segment(start, theta[s].size, data))
+    return segments, theta, kept
+
+
+def apply_delta(
+    base: np.ndarray, segments: list[Segment], codec: Codec, block_size: int
+) -> np.ndarray:
+    """The next version: `base + decode(segments)` in float32."""
+    base32 = np.asarray(base, np.float32)
+    out = np.empty_like(base32)
+    for segment in segments:
+        apply_segment(base32, out, segment, codec, block_size)
+    return out

@@ -30,7 +30,9 @@ def test_learners_rebuild_every_version_bit_for_bit_and_follow_the_optimizer(
         # The outer optimizer steps from the canonical value, as the merger does.
         step = (-0.01 * rng.standard_t(3, size=server.size)).astype(np.float32)
         optimizer += step
-        payload, server, residual = encode_delta(server, server + step, residual, codec, 256)
+        payload, server, residual = encode_delta(
+            server, server + step, residual, codec, 256, chunk_bytes=1500
+        )
         learner = apply_delta(learner, payload, codec, 256)
         assert learner.tobytes() == server.tobytes()  # the canonical value, bit for bit
         # Error feedback: what learners hold plus what is still owed is the optimizer's

@@ -64,3 +64,41 @@ def check_payload(header: fragment_pb2.PayloadHeader, codec: codecs.Codec, paylo
     except codecs.CodecError as err:
         non_finite = "NaN" in str(err)
         raise _invalid("non_finite" if non_finite else "bad_codec", str(err)) from None
+
+
+def check_chunk(
+    chunk: session_pb2.UpdateChunk,
+    first: session_pb2.UpdateChunk,
+    index: int,
+    offset: int,
+    size: int,
+) -> None:
+    """Check one chunk of an update against its first chunk and the values already in."""
+    if index and (
+        chunk.header != first.header
+        or chunk.seq != first.seq
+        or chunk.kind != first.kind
+        or chunk.base_version != first.base_version
+    ):
+        raise _invalid(
+            "out_of_order", "header changed between chunks of one update; resend it whole"
+        )
+    if chunk.chunk_index != index or chunk.value_offset != offset:
+        raise _invalid(
+            "out_of_order",
+            f"chunk {chunk.chunk_index} at value {chunk.value_offset} arrived out of order: chunk "
+            f"{index} at value {offset} was due; send chunks in order",
+        )
+    count = chunk.value_count
+    block = first.header.block_size
+    if count < 1 or count > size - offset:
+        raise _invalid(
+            "shape_mismatch",
+            f"chunk {index} holds {count} values from {offset}; the fragment has {size}",
+        )
+    if block and count % block and offset + count != size:
+        raise _invalid(
+            "bad_codec",
+            f"chunk {index} holds {count} values, not whole blocks of {block}; every chunk "
+            "but the last must hold whole blocks",
+        )

@@ -1,29 +1,17 @@
-"""The merge of one round and the outer step: pure functions over numpy arrays."""
+"""How a round combines outer gradients, summed as they arrive, and the outer step.
+
+Pure numpy over float32 arrays; no JAX (the synchronizer never touches an accelerator).
+A merge rule is a registry entry (`MERGE_RULES`): it makes the accumulator an owner sums
+each update into, chunk by chunk, and turns the summed round into the outer gradient.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any
+from dataclasses import dataclass, field
+from typing import ClassVar
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-
-
-@dataclass(frozen=True)
-class Contribution:
-    """One learner's outer gradient for a fragment, as the merge sees it."""
-
-    uid: str
-    learner: str
-    delta: np.ndarray
-    c_steps: int
-    c_tokens: int
-    base_version: int
-    compute_seconds: float
 
 
 def token_weight(c_tokens: int, c_steps: int) -> float:
@@ -31,45 +19,6 @@ def token_weight(c_tokens: int, c_steps: int) -> float:
     if c_steps <= 0 or c_tokens <= 0:
         return 0.0
     return float(c_tokens) ** 2 / float(c_steps)
-
-
-def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
-    total = float(sum(weights))
-    if not deltas or total <= 0.0:
-        raise ValueError("a merge needs at least one contribution with positive weight")
-    out = np.zeros_like(deltas[0], dtype=np.float64)
-    for delta, weight in zip(deltas, weights, strict=True):
-        out += (weight / total) * delta
-    return out.astype(np.float32)
-
-
-def radial_directional_mean(
-    deltas: Sequence[np.ndarray], weights: Sequence[float], segments: Sequence[int]
-) -> np.ndarray:
-    """Per tensor (a segment of the fragment): the weighted mean of the learners' norms times
-    the direction of the weighted mean of their unit vectors. Learners' outer gradients are
-    nearly orthogonal, so a plain mean shrinks them by about 1/sqrt(M); this keeps their
-    typical length and averages only their directions."""
-    total = float(sum(weights))
-    if not deltas or total <= 0.0:
-        raise ValueError("a merge needs at least one contribution with positive weight")
-    out = np.zeros_like(deltas[0], dtype=np.float32)
-    start = 0
-    for size in segments or [deltas[0].size]:
-        end = start + size
-        norm = 0.0
-        direction = np.zeros(size, np.float64)
-        for delta, weight in zip(deltas, weights, strict=True):
-            part = delta[start:end].astype(np.float64)
-            length = float(np.linalg.norm(part))
-            norm += weight / total * length
-            if length > 0.0:
-                direction += weight / total * part / length
-        length = float(np.linalg.norm(direction))
-        if length > 0.0:
-            out[start:end] = (norm * direction / length).astype(np.float32)
-        start = end
-    return out
 
 
 def staleness_weight(staleness: int, decay: float) -> float:
@@ -90,70 +39,165 @@ def partial_round_scale(contributors: int, live_learners: int) -> float:
     return min(1.0, contributors / max(1, live_learners))
 
 
-def merge_contributions(
-    contributions: Sequence[Contribution],
-    live_learners: int = 0,
-    *,
-    method: str = "mean",
-    segments: Sequence[int] = (),
-    version: int | None = None,
-    staleness_decay: float = 1.0,
-) -> tuple[np.ndarray, list[float], float]:
-    """The token-weighted outer gradient (`mean`, or `radial`: radial-directional per
-    tensor of `segments`), each contribution's weight (times decay^staleness against
-    `version`), and the partial round scale applied (1.0 when `live_learners` is 0)."""
-    weights = [token_weight(c.c_tokens, c.c_steps) for c in contributions]
-    if sum(weights) <= 0.0:  # every learner reported zero tokens: fall back to a plain mean
-        weights = [1.0] * len(contributions)
-    if version is not None and staleness_decay != 1.0:
-        weights = [
-            w * staleness_weight(version - c.base_version, staleness_decay)
-            for w, c in zip(weights, contributions, strict=True)
-        ]
-    deltas = [c.delta for c in contributions]
-    if method == "radial":
-        mean = radial_directional_mean(deltas, weights, segments)
-    else:
-        mean = weighted_mean(deltas, weights)
-    learners = len({c.learner for c in contributions})
-    scale = partial_round_scale(learners, live_learners) if live_learners else 1.0
-    return (mean * np.float32(scale) if scale != 1.0 else mean), weights, scale
+def tensor_norms(values: np.ndarray, segments: Sequence[int]) -> list[float]:
+    """The L2 norm of each tensor (a run of `segments` sizes) of a flat fragment."""
+    out, start = [], 0
+    for size in segments or [values.size]:
+        out.append(float(np.linalg.norm(values[start : start + size].astype(np.float64))))
+        start += size
+    return out
+
+
+@dataclass
+class Accumulator:
+    """The running sum of one round of one fragment (mean rule: sum of w * delta)."""
+
+    size: int
+    segments: tuple[int, ...]  # tensor sizes, in layout order
+    total: np.ndarray = field(init=False)
+    weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.total = np.zeros(self.size, np.float32)
+
+    def add(self, offset: int, values: np.ndarray, weight: float, norms: Sequence[float]) -> None:
+        """Add one decoded chunk of an update weighing `weight` (values are scratch)."""
+        np.multiply(values, np.float32(weight), out=values)
+        part = self.total[offset : offset + values.size]
+        np.add(part, values, out=part)
+
+    def subtract(
+        self, offset: int, values: np.ndarray, weight: float, norms: Sequence[float]
+    ) -> None:
+        """Take one chunk added earlier out again (an update refused after summing)."""
+        np.multiply(values, np.float32(-weight), out=values)
+        part = self.total[offset : offset + values.size]
+        np.add(part, values, out=part)
+
+    def counted(self, weight: float, norms: Sequence[float], sign: int) -> None:
+        """A whole update joins (sign 1) or leaves (-1) the round's totals."""
+        self.weight += sign * weight
+
+    def prepare(self) -> None:
+        """Once before `outer_gradient`: whole-round quantities."""
+
+    def outer_gradient(self, start: int, end: int, scale: float) -> np.ndarray:
+        """The round's outer gradient over values [start, end), times `scale`."""
+        out: np.ndarray = self.total[start:end] * np.float32(scale / self.weight)
+        return out
+
+
+@dataclass
+class RadialAccumulator(Accumulator):
+    """Radial-directional averaging: per tensor, the weighted mean of the learners' norms
+    along the direction of the weighted mean of their unit vectors. Learners' outer gradients
+    are nearly orthogonal, so a plain mean shrinks them by about 1/sqrt(M); this keeps their
+    typical length. Each update's per-tensor norms come with its first chunk."""
+
+    norm_sum: np.ndarray = field(init=False)
+    direction_norms: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.norm_sum = np.zeros(len(self.segments), np.float64)
+        self.direction_norms = np.zeros(len(self.segments), np.float64)
+        self._starts = np.cumsum((0, *self.segments))
+
+    def _scaled(
+        self, offset: int, values: np.ndarray, factor: float, norms: Sequence[float]
+    ) -> None:
+        end = offset + values.size
+        first = int(np.searchsorted(self._starts, offset, side="right")) - 1
+        t = first
+        while t < len(self.segments) and self._starts[t] < end:
+            lo, hi = max(offset, int(self._starts[t])), min(end, int(self._starts[t + 1]))
+            norm = norms[t]
+            f = np.float32(factor / norm) if norm > 0 else np.float32(0.0)
+            view = values[lo - offset : hi - offset]
+            np.multiply(view, f, out=view)
+            t += 1
+        part = self.total[offset:end]
+        np.add(part, values, out=part)
+
+    def add(self, offset: int, values: np.ndarray, weight: float, norms: Sequence[float]) -> None:
+        self._scaled(offset, values, weight, norms)
+
+    def subtract(
+        self, offset: int, values: np.ndarray, weight: float, norms: Sequence[float]
+    ) -> None:
+        self._scaled(offset, values, -weight, norms)
+
+    def counted(self, weight: float, norms: Sequence[float], sign: int) -> None:
+        self.weight += sign * weight
+        self.norm_sum += sign * weight * np.asarray(norms, np.float64)
+
+    def prepare(self) -> None:
+        for t in range(len(self.segments)):
+            part = self.total[int(self._starts[t]) : int(self._starts[t + 1])]
+            self.direction_norms[t] = float(np.linalg.norm(part.astype(np.float64)))
+
+    def outer_gradient(self, start: int, end: int, scale: float) -> np.ndarray:
+        out = np.zeros(end - start, np.float32)
+        t = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while t < len(self.segments) and self._starts[t] < end:
+            lo, hi = max(start, int(self._starts[t])), min(end, int(self._starts[t + 1]))
+            length = self.direction_norms[t]
+            if length > 0:
+                factor = scale * (self.norm_sum[t] / self.weight) / length
+                out[lo - start : hi - start] = self.total[lo:hi] * np.float32(factor)
+            t += 1
+        return out
+
+
+@dataclass(frozen=True)
+class MergeRule:
+    """One way to combine a round's outer gradients (an entry of `MERGE_RULES`)."""
+
+    name: str
+    help: str
+    accumulator: type[Accumulator]
+    needs_norms: bool
+
+    def new(self, size: int, segments: Sequence[int]) -> Accumulator:
+        return self.accumulator(size, tuple(segments) or (size,))
+
+
+MERGE_RULES: dict[str, MergeRule] = {
+    rule.name: rule
+    for rule in (
+        MergeRule("mean", "the token-weighted mean of the outer gradients", Accumulator, False),
+        MergeRule(
+            "radial",
+            "per tensor: the weighted mean of their norms along the direction of the weighted "
+            "mean of their unit vectors",
+            RadialAccumulator,
+            True,
+        ),
+    )
+}
 
 
 @dataclass(frozen=True)
 class OuterOptimizer:
-    """Nesterov SGD on a flat fragment; its state travels as a list of float32 arrays."""
+    """Nesterov SGD on a flat fragment, in place, slice by slice (as optax's sgd with
+    nesterov=True: trace <- g + m*trace; update <- g + m*trace; theta <- theta - lr*update).
+    Its state is the momentum trace (none without momentum)."""
 
     lr: float
     momentum: float
-
-    @property
-    def _tx(self) -> optax.GradientTransformation:
-        return optax.sgd(learning_rate=self.lr, momentum=self.momentum, nesterov=True)
+    STATE_NAMES: ClassVar[tuple[str, ...]] = ("trace",)
 
     def init(self, theta: np.ndarray) -> list[np.ndarray]:
-        leaves = jax.tree.leaves(self._tx.init(jnp.asarray(theta)))
-        return [np.asarray(leaf, np.float32) for leaf in leaves]
+        return [np.zeros_like(theta, np.float32)] if self.momentum else []
 
-    def step(
-        self, theta: np.ndarray, state: list[np.ndarray], outer_gradient: np.ndarray
-    ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Theta <- OuterOpt(Theta, Delta): Delta plays the gradient (base - theta)."""
-        new_theta, new_leaves = _compiled_step(self.lr, self.momentum)(
-            jnp.asarray(theta), [jnp.asarray(s) for s in state], jnp.asarray(outer_gradient)
-        )
-        return np.asarray(new_theta, np.float32), [np.asarray(s, np.float32) for s in new_leaves]
-
-
-@lru_cache(maxsize=8)
-def _compiled_step(lr: float, momentum: float) -> Any:
-    tx = optax.sgd(learning_rate=lr, momentum=momentum, nesterov=True)
-
-    @jax.jit
-    def step(theta: jax.Array, leaves: list[jax.Array], grad: jax.Array) -> Any:
-        treedef = jax.tree.structure(tx.init(theta))
-        state = jax.tree.unflatten(treedef, leaves)
-        updates, state = tx.update(grad, state, theta)
-        return optax.apply_updates(theta, updates), jax.tree.leaves(state)
-
-    return step
+    def move(self, state: list[np.ndarray], outer_gradient: np.ndarray, s: slice) -> np.ndarray:
+        """The step -lr*update over values `s` (outer_gradient is that slice, scratch);
+        updates the state's slice in place."""
+        g = outer_gradient
+        if self.momentum:
+            trace = state[0][s]
+            np.multiply(trace, np.float32(self.momentum), out=trace)
+            np.add(trace, g, out=trace)
+            g += np.float32(self.momentum) * trace
+        np.multiply(g, np.float32(-self.lr), out=g)
+        return g

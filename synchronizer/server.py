@@ -1,4 +1,4 @@
-"""`atoll synchronizer`: wires the servicer, health, reflection, metrics and shutdown."""
+"""`atoll synchronizer`: wires the service, health, reflection, metrics and shutdown."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import socket
 
 import grpc
 import numpy as np
@@ -20,29 +21,42 @@ from services import telemetry as tm
 from services.config import JobConfig, SynchronizerSettings
 from services.grpcopts import server_options, split_hostport
 from synchronizer.service import SERVICE_NAME, SynchronizerService
-from synchronizer.store import StoreError, open_store
+from synchronizer.store import ControlStore, StoreError, open_store, redact
+from synchronizer.tensors import TensorStore, TensorStoreError
 
 log = structlog.get_logger("atoll.synchronizer")
 DRAIN_SECONDS = 5.0
 
 
-async def _watch_store(service: SynchronizerService, health_servicer: HealthServicer) -> None:
-    """SERVING while the store answers, NOT_SERVING otherwise."""
+async def _watch_store(store: ControlStore, health_servicer: HealthServicer) -> None:
+    """Readiness follows Redis (the service's name is SERVING while Redis answers); liveness
+    (the empty name) stays SERVING while the process runs, so a Redis blip never gets every
+    replica restarted."""
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    await health_servicer.set("", serving)
     while True:
         try:
-            up = await asyncio.wait_for(service.store.ping(), timeout=2.0)
+            up = await asyncio.wait_for(store.ping(), timeout=2.0)
         except Exception:
             up = False
         tm.REDIS_UP.set(1 if up else 0)
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, serving if up else not_serving)
+        await health_servicer.set(SERVICE_NAME, serving if up else not_serving)
         await asyncio.sleep(1.0)
+
+
+def advertised(settings: SynchronizerSettings, port: int) -> str:
+    if settings.advertise:
+        return settings.advertise
+    host, _ = split_hostport(settings.listen)
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return f"{host}:{port}"
 
 
 async def serve(settings: SynchronizerSettings) -> None:
     store = open_store(settings.redis_url, settings.job)
+    tensors = TensorStore(settings.tensor_store)
     job = await store.job_config(settings.model_dump(include=set(JobConfig.model_fields)))
     mine = settings.model_dump(include=set(job))
     if job != mine:
@@ -54,15 +68,18 @@ async def serve(settings: SynchronizerSettings) -> None:
             + ", ".join(f"{k}={mine.get(k)!r}" for k in differing)
             + ". Start every replica with the same algorithm flags, or use a new --job."
         )
-    service = SynchronizerService(settings, store)
+    server = grpc.aio.server(options=server_options())
+    port = server.add_insecure_port(settings.listen)
+    if port == 0:
+        raise SystemExit(f"cannot listen on {settings.listen}: the address is taken or invalid")
+    service = SynchronizerService(settings, store, tensors, advertised(settings, port))
     await service.load_known_spec()
     if settings.init_from is not None:
         with np.load(settings.init_from) as npz:
             arrays = {name: np.asarray(npz[name], np.float32) for name in npz.files}
-        won = await service.initialize_from(arrays)
-        log.info("initial_parameters", source=str(settings.init_from), applied=won)
+        taken = await service.initialize_from(arrays)
+        log.info("initial_parameters", source=str(settings.init_from), fragments_set=taken)
 
-    server = grpc.aio.server(options=server_options())
     server.add_generic_rpc_handlers((service.handler(),))
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -74,9 +91,6 @@ async def serve(settings: SynchronizerSettings) -> None:
         ),
         server,
     )
-    port = server.add_insecure_port(settings.listen)
-    if port == 0:
-        raise SystemExit(f"cannot listen on {settings.listen}: the address is taken or invalid")
     metrics_host, metrics_port = split_hostport(settings.metrics_listen)
     metrics_server, _ = start_http_server(metrics_port, addr=metrics_host)
     await server.start()
@@ -85,9 +99,11 @@ async def serve(settings: SynchronizerSettings) -> None:
         "serving",
         listen=settings.listen,
         port=port,
+        advertise=service.ownership.address,
         metrics_port=bound_metrics,
         replica=settings.replica_id,
         job=settings.job,
+        tensor_store=settings.tensor_store,
     )
     service.tape.write("started", port=port)
     if settings.port_file is not None:
@@ -98,18 +114,18 @@ async def serve(settings: SynchronizerSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks = [
-        asyncio.create_task(_watch_store(service, health_servicer)),
-        asyncio.create_task(service.merger.sweep_forever()),
-        asyncio.create_task(service.broadcast_forever()),
+        asyncio.create_task(_watch_store(store, health_servicer)),
+        asyncio.create_task(service.ownership.run_forever()),
+        asyncio.create_task(service.sessions.watch_forever()),
         asyncio.create_task(service.flush_stats_forever()),
     ]
     await stop.wait()
     log.info("draining", seconds=DRAIN_SECONDS)
     await health_servicer.enter_graceful_shutdown()
-    for conn in list(service.connections.values()):
+    await service.ownership.stop()
+    for conn in list(service.sessions.connections.values()):
         conn.outbox.put_nowait(None)
     await server.stop(DRAIN_SECONDS)
-    service.merger.close()
     for task in tasks:
         task.cancel()
     for task in tasks:
@@ -125,10 +141,10 @@ def run(settings: SynchronizerSettings) -> None:
     tm.configure_logging(settings.log_level)
     try:
         asyncio.run(serve(settings))
-    except StoreError as err:
+    except (StoreError, TensorStoreError) as err:
         raise SystemExit(f"atoll synchronizer: {err}") from None
     except (RedisError, OSError) as err:
         raise SystemExit(
-            f"atoll synchronizer: cannot reach Redis at {settings.redis_url} ({err}); start it "
-            "or fix --redis-url"
+            f"atoll synchronizer: cannot reach Redis at {redact(settings.redis_url)} "
+            f"({type(err).__name__}); start it or fix --redis-url"
         ) from None

@@ -1,32 +1,45 @@
-"""Where the synchronizer's state lives: the store interface and its Redis implementation.
+"""The control plane in Redis: small records only (no tensor bytes, no value over about 1 MiB).
 
-Every key of a job shares the `{job}` hash tag (Redis Cluster safe), and every
-check-and-set is one Lua script (see `lua/`), so any replica may act on any fragment.
+Every check-and-set is one Lua script (see `lua/`) over keys of one hash tag: a fragment's
+scripts touch only that fragment's keys, the job's scripts only job-wide keys, so a Redis
+Cluster may hold them on different nodes. Scripts return statuses; what to do about them is
+decided in Python (`rounds.py`, `owner.py`).
 """
 
 from __future__ import annotations
 
 import json
-import uuid
+import os
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Protocol
-from urllib.parse import urlparse
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse, urlunparse
 
-import numpy as np
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import Sentinel
 from redis.commands.core import AsyncScript
 
 from services.config import INIT_CLAIM_S
-from synchronizer.rounds import RoundState
+from synchronizer.keys import JobKeys
 
-SUPPORTED_SCHEMES = ("redis", "rediss", "unix")
-STAGE_TTL_S = 86_400  # payloads and staged values that no script adopts expire
-DELTA_TTL_S = 300  # a learner further behind than this gets a full copy
+SUPPORTED_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel")
+SEEN_TTL_S = 7 * 86_400
+LOG_KEEP = 2000  # commit log entries kept per fragment (older ones are in the tape)
 
 
 class StoreError(RuntimeError):
     """The store refused or could not do what was asked; the message says why."""
+
+
+def redact(url: str) -> str:
+    """A Redis URL with its password replaced, fit for logs and errors."""
+    parts = urlparse(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunparse(parts._replace(netloc=netloc))
 
 
 @dataclass(frozen=True)
@@ -37,135 +50,100 @@ class Hello:
 
 
 @dataclass(frozen=True)
-class SubmitResult:
-    status: str  # accepted | duplicate | uninitialized | future | stale
-    version: int
-    contributors: int
+class LiveLearner:
+    learner: str
+    step_time_ema_s: float  # 0 when not reported yet
+    finished: bool  # sent its last update
+    still_to_send: frozenset[int] | None  # finishing: fragments it still sends; None: not
 
 
 @dataclass(frozen=True)
-class PendingUpdate:
-    uid: str
-    meta: dict[str, Any]
-    payload: bytes
+class Live:
+    now_s: float  # Redis time
+    learners: tuple[LiveLearner, ...]
 
 
 @dataclass(frozen=True)
-class FragmentState:
+class Pointer:
+    """Where a fragment's committed version lives in the tensor store."""
+
     version: int
-    theta: np.ndarray
-    opt_state: list[np.ndarray]
+    value: str
+    state: tuple[str, ...]
+    delta: str  # the encoded delta that made this version ('' for version 0)
 
 
 @dataclass(frozen=True)
 class Commit:
-    """A merged round, ready to be committed under the merge lease."""
+    """A merged round, ready to be committed by the fragment's owner."""
 
     fragment: int
-    token: int
+    replica: str
+    epoch: int
     expected_version: int
-    theta: np.ndarray
-    opt_state: list[np.ndarray]
-    uids: list[str]
+    value: str
+    state: tuple[str, ...]
+    delta: str
+    merged: list[tuple[str, str, int]]  # (learner, incarnation, seq) of each merged update
     useful_seconds: float
     tokens_merged: float
     stale_folded: int
-    t_sync_s: float
     log_entry: dict[str, Any]
-    delta: bytes = b""  # the encoded delta from expected_version to the new version
 
 
-class Store(Protocol):
-    """What the synchronizer needs of its state backend (Redis is the implementation)."""
-
-    async def ping(self) -> bool: ...
-    async def close(self) -> None: ...
-    async def job_config(self, proposed: dict[str, Any]) -> dict[str, Any]: ...
-    async def spec(self) -> str | None: ...
-    async def register_spec(self, spec_json: str) -> str: ...
-    async def hello(
-        self, spec_json: str, learner: str, incarnation: str, ttl_s: float, step: int
-    ) -> Hello: ...
-    async def heartbeat(
-        self,
-        learner: str,
-        incarnation: str,
-        ttl_s: float,
-        still_to_send: list[int] | None = None,
-        **fields: float,
-    ) -> int | None: ...
-    async def leave(self, learner: str, incarnation: str) -> None: ...
-    async def is_initialized(self) -> bool: ...
-    async def initialize(
-        self, thetas: list[np.ndarray], opt_states: list[list[np.ndarray]]
-    ) -> bool: ...
-    async def versions(self, fragments: int) -> list[int]: ...
-    async def fragment(self, index: int) -> FragmentState: ...
-    async def global_value(self, index: int) -> tuple[int, bytes]: ...
-    async def submit(
-        self,
-        fragment: int,
-        uid: str,
-        learner: str,
-        seq: int,
-        base_version: int,
-        max_staleness: int,
-        payload: bytes,
-        meta: dict[str, Any],
-    ) -> SubmitResult: ...
-    async def round_state(self, fragment: int) -> tuple[RoundState, float, float]: ...
-    async def mark_quorum(self, fragment: int, grace_s: float) -> None: ...
-    async def acquire_merge_lease(self, fragment: int, ttl_s: float) -> int: ...
-    async def release_merge_lease(self, fragment: int, token: int) -> None: ...
-    async def renew_merge_lease(self, fragment: int, token: int, ttl_s: float) -> bool: ...
-    async def pending(self, fragment: int) -> list[PendingUpdate]: ...
-    async def commit(self, commit: Commit) -> tuple[str, int]: ...
-    async def delta(self, fragment: int, version: int) -> bytes | None: ...
-    async def add_stats(self, **increments: float) -> None: ...
-    async def subscribe_commits(self) -> Any: ...
+def _s(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def job_key(job: str, *parts: object) -> str:
-    """The Redis key of a job's state: `atoll:{job}:a:b`. The `{job}` hash tag keeps a job in
-    one Redis Cluster slot. Everything that reads a job's state builds keys here."""
-    return f"atoll:{{{job}}}:" + ":".join(str(p) for p in parts)
+def _password_from_env() -> str | None:
+    path = os.environ.get("ATOLL_REDIS_PASSWORD_FILE")
+    if path:
+        return Path(path).read_text().strip()
+    return os.environ.get("ATOLL_REDIS_PASSWORD") or None
 
 
-def select_round(metas: dict[str, dict[str, Any]]) -> list[str]:
-    """The uids one round merges: each learner's oldest pending update (by base version,
-    then seq). A learner's later updates wait for the next rounds, so a round's cost is
-    bounded by the number of learners, whatever the backlog."""
-    oldest: dict[str, tuple[int, int, str]] = {}
-    for uid, meta in metas.items():
-        rank = (int(meta["base_version"]), int(meta["seq"]), uid)
-        learner = str(meta["learner"])
-        if learner not in oldest or rank < oldest[learner]:
-            oldest[learner] = rank
-    return sorted(rank[2] for rank in oldest.values())
+def open_redis(url: str) -> Any:
+    """A client for `url`: one Redis (`redis://`, `rediss://`, `unix://`), a Redis Cluster
+    (`redis+cluster://HOST:PORT`, any node), or the master a Sentinel names
+    (`redis+sentinel://HOST:PORT/SERVICE`). The password may come from the URL, or better from
+    `ATOLL_REDIS_PASSWORD_FILE` (or `ATOLL_REDIS_PASSWORD`), so it never shows in a URL."""
+    scheme = urlparse(url).scheme
+    if scheme not in SUPPORTED_SCHEMES:
+        raise StoreError(
+            f"unsupported Redis URL {redact(url)!r}: use redis://HOST:PORT/DB, rediss://..., "
+            "unix:///path/to/redis.sock, redis+cluster://HOST:PORT or "
+            "redis+sentinel://HOST:PORT/SERVICE"
+        )
+    options: dict[str, Any] = {
+        "decode_responses": False,
+        "socket_timeout": 10,
+        "socket_connect_timeout": 5,
+    }
+    password = _password_from_env()
+    if password is not None:
+        options["password"] = password
+    if scheme.endswith("+cluster"):
+        plain = url.replace("+cluster", "", 1)
+        return RedisCluster.from_url(plain, **options)
+    if scheme == "redis+sentinel":
+        parts = urlparse(url)
+        service = parts.path.strip("/") or "mymaster"
+        hosts = [(h.rsplit(":", 1)[0], int(h.rsplit(":", 1)[1])) for h in parts.netloc.split(",")]
+        query = parse_qs(parts.query)
+        sentinel = Sentinel(hosts, **options)  # type: ignore[no-untyped-call]
+        if "db" in query:
+            options["db"] = int(query["db"][0])
+        return sentinel.master_for(service, **options)
+    return aioredis.Redis.from_url(url, health_check_interval=5, **options)
 
 
-def _b(value: object) -> bytes:
-    """A Redis reply as bytes (the client runs with decode_responses=False)."""
-    if not isinstance(value, bytes):
-        raise StoreError(f"unexpected reply from Redis: {value!r}")
-    return value
+class ControlStore:
+    """A job's control state in Redis (one server, a Cluster, or a Sentinel's master)."""
 
-
-def _pack(arrays: list[np.ndarray]) -> bytes:
-    return b"".join(np.ascontiguousarray(a, "<f4").tobytes() for a in arrays)
-
-
-def _unpack(blob: bytes, size: int) -> list[np.ndarray]:
-    flat = np.frombuffer(blob, "<f4")
-    return [flat[i : i + size].copy() for i in range(0, flat.size, size)] if size else []
-
-
-class RedisStore:
-    """The real store: one Redis (or a Redis Cluster slot, through the `{job}` hash tag)."""
-
-    def __init__(self, client: aioredis.Redis, job: str) -> None:
-        self._r = client
-        self._job = job
+    def __init__(self, client: Any, job: str) -> None:
+        self.redis = client
+        self.job = job
+        self.keys = JobKeys(job)
         lua = resources.files("synchronizer") / "lua"
         self._scripts: dict[str, AsyncScript] = {
             path.name.removesuffix(".lua"): client.register_script(path.read_text())
@@ -173,49 +151,56 @@ class RedisStore:
             if path.name.endswith(".lua")
         }
 
-    def key(self, *parts: object) -> str:
-        return job_key(self._job, *parts)
-
     async def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         return await self._scripts[script](keys=keys, args=args)
 
-    async def spec(self) -> str | None:
-        """The job's parameter spec (JSON), if a learner or checkpoint has set it."""
-        stored = await self._r.get(self.key("spec"))
-        return None if stored is None else _b(stored).decode()
-
     async def ping(self) -> bool:
-        return bool(await self._r.ping())
+        return bool(await self.redis.ping())
 
     async def close(self) -> None:
-        await self._r.aclose()
+        await self.redis.aclose()
 
+    # --- the job ----------------------------------------------------------------------------
     async def job_config(self, proposed: dict[str, Any]) -> dict[str, Any]:
         """The job's config: set by the first replica, then the same for every replica."""
-        encoded = json.dumps(proposed, sort_keys=True)
-        await self._r.set(self.key("config"), encoded, nx=True)
-        stored = await self._r.get(self.key("config"))
-        return dict(json.loads(_b(stored)))
+        await self.redis.set(self.keys.config, json.dumps(proposed, sort_keys=True), nx=True)
+        return dict(json.loads(_s(await self.redis.get(self.keys.config))))
+
+    async def spec(self) -> str | None:
+        stored = await self.redis.get(self.keys.spec)
+        return None if stored is None else _s(stored)
+
+    async def register_spec(self, spec_json: str) -> str:
+        """Set the job's parameter spec if none is set yet; return the job's spec."""
+        await self.redis.set(self.keys.spec, spec_json, nx=True)
+        return _s(await self.redis.get(self.keys.spec))
 
     async def hello(
-        self, spec_json: str, learner: str, incarnation: str, ttl_s: float, step: int
+        self,
+        spec_json: str,
+        learner: str,
+        incarnation: str,
+        ttl_s: float,
+        step: int,
+        initialized: bool,
     ) -> Hello:
+        k = self.keys
         reply = await self._run(
             "hello",
+            [k.spec, k.learners, k.learner(learner), k.ema, k.init_claim],
             [
-                self.key("spec"),
-                self.key("learners"),
-                self.key("learner", learner),
-                self.key("ema"),
-                self.key("init"),
-                self.key("init_claim"),
+                spec_json,
+                learner,
+                incarnation,
+                int(ttl_s * 1000),
+                step,
+                int(INIT_CLAIM_S * 1000),
+                int(initialized),
             ],
-            [spec_json, learner, incarnation, int(ttl_s * 1000), step, int(INIT_CLAIM_S * 1000)],
         )
-        status, detail = _b(reply[0]), _b(reply[1]).decode()
-        if status != b"ok":
+        if _s(reply[0]) != "ok":
             return Hello(False, "", False)
-        return Hello(True, detail, bool(int(reply[2])))
+        return Hello(True, _s(reply[1]), bool(int(reply[2])))
 
     async def heartbeat(
         self,
@@ -227,249 +212,212 @@ class RedisStore:
     ) -> int | None:
         """Renew the lease; return the job's steps over all slots, None if not renewed.
         `still_to_send`: finishing, with these fragments' updates still to come (None: not)."""
-        args = [learner, incarnation, int(ttl_s * 1000)]
+        args: list[Any] = [learner, incarnation, int(ttl_s * 1000)]
         args += [repr(float(fields[k])) for k in ("step", "ema", "tokens_s", "loss", "eval_loss")]
         args.append(int(fields.get("done", 0)))
         args.append(int(fields.get("last_sent", 0)))
         args.append(
             "".join(f",{p}" for p in still_to_send) + "," if still_to_send is not None else ""
         )
-        keys = [
-            self.key("learners"),
-            self.key("learner", learner),
-            self.key("ema"),
-            self.key("slot_steps"),
-            self.key("finished"),
-            self.key("finishing"),
-        ]
+        k = self.keys
+        keys = [k.learners, k.learner(learner), k.ema, k.slot_steps, k.finished, k.finishing]
         total = int(await self._run("heartbeat", keys, args))
         return None if total < 0 else total
 
     async def leave(self, learner: str, incarnation: str) -> None:
         await self._run(
-            "leave", [self.key("learners"), self.key("learner", learner)], [learner, incarnation]
+            "leave", [self.keys.learners, self.keys.learner(learner)], [learner, incarnation]
         )
 
-    async def is_initialized(self) -> bool:
-        return bool(await self._r.exists(self.key("init")))
-
-    async def initialize(
-        self, thetas: list[np.ndarray], opt_states: list[list[np.ndarray]]
-    ) -> bool:
-        p = len(thetas)
-        stage = uuid.uuid4().hex
-        kinds: list[list[str]] = [[], [], [], [], [], []]
-        async with self._r.pipeline(transaction=False) as pipe:
-            for i in range(p):
-                kinds[0].append(self.key("frag", i))
-                kinds[1].append(self.key("round", i))
-                kinds[2].append(self.key("theta", i))
-                kinds[3].append(self.key("opt", i))
-                kinds[4].append(self.key("stage", i, stage, "theta"))
-                kinds[5].append(self.key("stage", i, stage, "opt"))
-                pipe.set(kinds[4][-1], _pack([thetas[i]]), ex=STAGE_TTL_S)
-                pipe.set(kinds[5][-1], _pack(opt_states[i]), ex=STAGE_TTL_S)
-            keys = [self.key("init")] + [k for kind in kinds for k in kind]
-            await self._scripts["init"](keys=keys, args=[p], client=pipe)
-            replies = await pipe.execute()
-        return bool(replies[-1])
-
-    async def versions(self, fragments: int) -> list[int]:
-        async with self._r.pipeline(transaction=False) as pipe:
-            for i in range(fragments):
-                pipe.hget(self.key("frag", i), "version")
-            raw = await pipe.execute()
-        return [int(v) if v is not None else 0 for v in raw]
-
-    async def _read_fragment(self, index: int, with_opt: bool) -> tuple[int, bytes, bytes]:
-        async with self._r.pipeline(transaction=True) as pipe:  # one consistent snapshot
-            pipe.hget(self.key("frag", index), "version")
-            pipe.get(self.key("theta", index))
-            if with_opt:
-                pipe.get(self.key("opt", index))
-            replies = await pipe.execute()
-        if replies[0] is None or replies[1] is None:
-            raise StoreError(
-                f"fragment {index} has no global value yet: the job is not initialized"
+    async def live(self) -> Live:
+        """The live learners, at one instant of Redis time."""
+        k = self.keys
+        reply = await self._run("live", [k.learners, k.ema, k.finished, k.finishing], [])
+        learners = []
+        for i in range(1, len(reply), 4):
+            ema, still = _s(reply[i + 1]), _s(reply[i + 3])
+            learners.append(
+                LiveLearner(
+                    learner=_s(reply[i]),
+                    step_time_ema_s=float(ema) if ema else 0.0,
+                    finished=bool(int(reply[i + 2])),
+                    still_to_send=(
+                        frozenset(int(p) for p in still.strip(",").split(",") if p)
+                        if still
+                        else None
+                    ),
+                )
             )
-        return int(replies[0]), _b(replies[1]), _b(replies[2]) if with_opt else b""
-
-    async def fragment(self, index: int) -> FragmentState:
-        version, theta, opt = await self._read_fragment(index, with_opt=True)
-        flat = np.frombuffer(theta, "<f4").copy()
-        return FragmentState(version, flat, _unpack(opt, flat.size))
-
-    async def global_value(self, index: int) -> tuple[int, bytes]:
-        version, theta, _ = await self._read_fragment(index, with_opt=False)
-        return version, theta
-
-    async def submit(
-        self,
-        fragment: int,
-        uid: str,
-        learner: str,
-        seq: int,
-        base_version: int,
-        max_staleness: int,
-        payload: bytes,
-        meta: dict[str, Any],
-    ) -> SubmitResult:
-        payload_key = self.key("payload", fragment, uid)
-        keys = [
-            self.key("frag", fragment),
-            self.key("pmeta", fragment),
-            self.key("contrib", fragment),
-            self.key("seen", learner, meta["incarnation"]),
-            self.key("stats"),
-            payload_key,
-        ]
-        args: list[Any] = [uid, learner, seq, base_version, max_staleness, json.dumps(meta)]
-        async with self._r.pipeline(transaction=False) as pipe:
-            pipe.set(payload_key, payload, ex=STAGE_TTL_S)
-            await self._scripts["submit"](keys=keys, args=args, client=pipe)
-            _, (status, version, contributors) = await pipe.execute()
-        return SubmitResult(_b(status).decode(), int(version), int(contributors))
-
-    async def round_state(self, fragment: int) -> tuple[RoundState, float, float]:
-        """The round's state, the slowest live learner's step-time EMA and the t_sync EMA."""
-        keys = [
-            self.key("round", fragment),
-            self.key("contrib", fragment),
-            self.key("learners"),
-            self.key("ema"),
-            self.key("stats"),
-            self.key("finished"),
-            self.key("finishing"),
-        ]
-        reply = await self._run("round_state", keys, [fragment])
-        now, opened, quorum, deadline, contrib, live, slowest, t_sync, finished, waiting = reply
-        ms = 1000.0
-        state = RoundState(
-            contributors=int(contrib),
-            live_learners=int(live),
-            finished_learners=int(finished),
-            waiting=int(waiting),
-            opened_at=float(opened) / ms,
-            quorum_at=float(quorum) / ms if quorum else None,
-            deadline=float(deadline) / ms if deadline else None,
-            now=float(now) / ms,
-        )
-        return state, float(slowest), float(t_sync)
-
-    async def mark_quorum(self, fragment: int, grace_s: float) -> None:
-        await self._run("quorum", [self.key("round", fragment)], [int(grace_s * 1000)])
-
-    async def acquire_merge_lease(self, fragment: int, ttl_s: float) -> int:
-        keys = [self.key("lease", fragment), self.key("fence")]
-        return int(await self._run("lease", keys, [max(1, int(ttl_s * 1000))]))
-
-    async def release_merge_lease(self, fragment: int, token: int) -> None:
-        await self._run("release", [self.key("lease", fragment)], [token])
-
-    async def renew_merge_lease(self, fragment: int, token: int, ttl_s: float) -> bool:
-        reply = await self._run(
-            "renew", [self.key("lease", fragment)], [token, max(1, int(ttl_s * 1000))]
-        )
-        return bool(reply)
-
-    async def register_spec(self, spec_json: str) -> str:
-        """Set the job's parameter spec if none is set yet; return the job's spec."""
-        await self._r.set(self.key("spec"), spec_json, nx=True)
-        return _b(await self._r.get(self.key("spec"))).decode()
-
-    async def pending(self, fragment: int) -> list[PendingUpdate]:
-        """The updates of the open round: the oldest pending update of each learner."""
-        metas = {
-            _b(uid).decode(): json.loads(meta)
-            for uid, meta in (await self._r.hgetall(self.key("pmeta", fragment))).items()
-        }
-        uids = select_round(metas)
-        if not uids:
-            return []
-        payloads = await self._r.mget([self.key("payload", fragment, u) for u in uids])
-        return [
-            PendingUpdate(uid, metas[uid], _b(payload))
-            for uid, payload in zip(uids, payloads, strict=True)
-            if payload is not None
-        ]
-
-    async def commit(self, commit: Commit) -> tuple[str, int]:
-        p = commit.fragment
-        stage_theta = self.key("stage", p, commit.token, "theta")
-        stage_opt = self.key("stage", p, commit.token, "opt")
-        stage_delta = self.key("stage", p, commit.token, "delta")
-        keys = [
-            self.key("frag", p),
-            self.key("pmeta", p),
-            self.key("contrib", p),
-            self.key("round", p),
-            self.key("lease", p),
-            self.key("log", p),
-            self.key("stats"),
-            self.key("theta", p),
-            self.key("opt", p),
-            stage_theta,
-            stage_opt,
-            stage_delta,
-            self.key("delta", p, commit.expected_version + 1),
-            *(self.key("payload", p, uid) for uid in commit.uids),
-        ]
-        args: list[Any] = [
-            commit.token,
-            commit.expected_version,
-            len(commit.uids),
-            *commit.uids,
-            repr(commit.useful_seconds),
-            repr(commit.tokens_merged),
-            commit.stale_folded,
-            repr(commit.t_sync_s),
-            json.dumps(commit.log_entry),
-            self.commits_channel(),
-            p,
-            DELTA_TTL_S,
-        ]
-        async with self._r.pipeline(transaction=False) as pipe:
-            pipe.set(stage_theta, _pack([commit.theta]), ex=STAGE_TTL_S)
-            pipe.set(stage_opt, _pack(commit.opt_state), ex=STAGE_TTL_S)
-            pipe.set(stage_delta, commit.delta, ex=STAGE_TTL_S)
-            await self._scripts["commit"](keys=keys, args=args, client=pipe)
-            *_, (status, version) = await pipe.execute()
-        return _b(status).decode(), int(version)
-
-    async def delta(self, fragment: int, version: int) -> bytes | None:
-        """The encoded delta that made `version` of a fragment, while it is kept."""
-        value = await self._r.get(self.key("delta", fragment, version))
-        return None if value is None else _b(value)
+        return Live(now_s=float(reply[0]) / 1000.0, learners=tuple(learners))
 
     async def add_stats(self, **increments: float) -> None:
-        async with self._r.pipeline(transaction=False) as pipe:
+        """Add to the job-wide counters (bytes, rejections)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
             for name, value in increments.items():
                 if value:
-                    pipe.hincrbyfloat(self.key("stats"), name, value)
+                    pipe.hincrbyfloat(self.keys.stats, name, value)
             await pipe.execute()
 
-    def commits_channel(self) -> str:
-        return self.key("commits")
+    async def stats(self, fragments: int) -> dict[str, float]:
+        """The job's counters: job-wide ones plus every fragment's, summed."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.stats)
+            for p in range(fragments):
+                pipe.hgetall(self.keys.fragment_stats(p))
+            replies = await pipe.execute()
+        out: dict[str, float] = {}
+        for reply in replies:
+            for name, value in reply.items():
+                out[_s(name)] = out.get(_s(name), 0.0) + float(value)
+        return out
 
-    async def subscribe_commits(self) -> Any:
-        pubsub = self._r.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(self.commits_channel())
-        return pubsub
-
-
-def open_store(url: str, job: str) -> Store:
-    """The store named by `url`; only Redis is implemented (`redis://`, `rediss://`, `unix://`)."""
-    scheme = urlparse(url).scheme
-    if scheme not in SUPPORTED_SCHEMES:
-        raise StoreError(
-            f"unsupported store URL {url!r}: use redis://HOST:PORT/DB, rediss://... or "
-            "unix:///path/to/redis.sock"
+    # --- replicas and fragment owners -----------------------------------------------------
+    async def register(self, replica: str, address: str, ttl_s: float) -> dict[str, str]:
+        """Say this replica is alive (ttl 0: leaving); return live replica -> address."""
+        reply = await self._run(
+            "register",
+            [self.keys.replicas, self.keys.replica("addresses")],
+            [replica, address, int(ttl_s * 1000)],
         )
-    client = aioredis.Redis.from_url(
-        url,
-        decode_responses=False,
-        socket_timeout=10,
-        socket_connect_timeout=5,
-        health_check_interval=5,
-    )
-    return RedisStore(client, job)
+        return {_s(reply[i]): _s(reply[i + 1]) for i in range(0, len(reply), 2)}
+
+    async def own(
+        self, op: str, fragment: int, replica: str, epoch: int = 0, ttl_s: float = 0.0
+    ) -> tuple[str, int]:
+        """Acquire, renew or release a fragment's ownership; return (status, epoch)."""
+        k = self.keys
+        reply = await self._run(
+            "own",
+            [k.owner(fragment), k.epoch(fragment), k.round(fragment)],
+            [op, replica, epoch, max(1, int(ttl_s * 1000))],
+        )
+        return _s(reply[0]), int(reply[1])
+
+    async def owners(self, fragments: int) -> list[tuple[str, int] | None]:
+        """Each fragment's owner (replica, epoch), None where no one owns it now."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for p in range(fragments):
+                pipe.get(self.keys.owner(p))
+            replies = await pipe.execute()
+        out: list[tuple[str, int] | None] = []
+        for reply in replies:
+            if reply is None:
+                out.append(None)
+            else:
+                replica, epoch = _s(reply).rsplit(" ", 1)
+                out.append((replica, int(epoch)))
+        return out
+
+    # --- fragment values (pointers into the tensor store) ---------------------------------
+    async def versions(self, fragments: int) -> list[int | None]:
+        """Each fragment's committed version; None where it has no value yet."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for p in range(fragments):
+                pipe.hget(self.keys.frag(p), "version")
+            raw = await pipe.execute()
+        return [int(v) if v is not None else None for v in raw]
+
+    async def is_initialized(self, fragments: int) -> bool:
+        return fragments > 0 and None not in await self.versions(fragments)
+
+    async def pointer(self, fragment: int) -> Pointer | None:
+        raw = await self.redis.hgetall(self.keys.frag(fragment))
+        fields = {_s(k): _s(v) for k, v in raw.items()}
+        if "version" not in fields:
+            return None
+        state = tuple(n for n in fields.get("state", "").split(",") if n)
+        return Pointer(int(fields["version"]), fields["value"], state, fields.get("delta", ""))
+
+    async def init_fragment(self, fragment: int, value: str, state: tuple[str, ...]) -> bool:
+        reply = await self._run(
+            "init_fragment", [self.keys.frag(fragment)], [value, ",".join(state)]
+        )
+        return bool(int(reply))
+
+    async def receive(
+        self,
+        fragment: int,
+        replica: str,
+        epoch: int,
+        *,
+        learner: str,
+        incarnation: str,
+        seq: int,
+        checksum: int,
+        base_version: int,
+        max_staleness: int,
+        record: dict[str, Any],
+    ) -> tuple[str, int]:
+        k = self.keys
+        reply = await self._run(
+            "receive",
+            [
+                k.frag(fragment),
+                k.owner(fragment),
+                k.round(fragment),
+                k.seen(fragment, learner, incarnation),
+                k.fragment_stats(fragment),
+            ],
+            [
+                replica,
+                epoch,
+                f"{learner}/{incarnation}/{seq}",
+                seq,
+                f"{checksum:016x}",
+                base_version,
+                max_staleness,
+                json.dumps(record),
+            ],
+        )
+        return _s(reply[0]), int(reply[1])
+
+    async def commit(self, commit: Commit) -> tuple[str, int]:
+        k = self.keys
+        p = commit.fragment
+        pairs: list[Any] = []
+        for learner, incarnation, seq in commit.merged:
+            pairs += [f"{learner}/{incarnation}/{seq}", seq]
+        reply = await self._run(
+            "commit",
+            [
+                k.frag(p),
+                k.owner(p),
+                k.round(p),
+                k.log(p),
+                k.fragment_stats(p),
+                *(k.seen(p, learner, inc) for learner, inc, _ in commit.merged),
+            ],
+            [
+                commit.replica,
+                commit.epoch,
+                commit.expected_version,
+                commit.value,
+                ",".join(commit.state),
+                commit.delta,
+                json.dumps(commit.log_entry),
+                repr(commit.useful_seconds),
+                repr(commit.tokens_merged),
+                commit.stale_folded,
+                LOG_KEEP,
+                len(commit.merged),
+                *pairs,
+            ],
+        )
+        return _s(reply[0]), int(reply[1])
+
+    async def log_tail(self, fragment: int, count: int) -> list[dict[str, Any]]:
+        """The last `count` commit log entries of a fragment, oldest first."""
+        entries = await self.redis.lrange(self.keys.log(fragment), -count, -1)
+        return [json.loads(e) for e in entries]
+
+    async def pending(self, fragments: int) -> list[str]:
+        """The uids received into open rounds and not merged yet."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for p in range(fragments):
+                pipe.hkeys(self.keys.round(p))
+            replies = await pipe.execute()
+        return sorted(_s(uid) for reply in replies for uid in reply)
+
+
+def open_store(url: str, job: str) -> ControlStore:
+    return ControlStore(open_redis(url), job)

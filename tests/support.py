@@ -12,7 +12,8 @@ from learner.client import SynchronizerClient
 from services import codec as codecs
 from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
-from synchronizer.store import job_key
+from synchronizer import inspect
+from synchronizer.keys import JobKeys
 
 SPECS = [LeafSpec(f"blocks/{i}/w", (32, 32)) for i in range(4)] + [LeafSpec("embed", (16, 32))]
 
@@ -61,9 +62,10 @@ def send_delta(
     n = layout(fragments).fragments[fragment].num_elements
     delta = np.random.default_rng(seed).normal(scale=0.01, size=n).astype(np.float32)
     enc = codecs.by_name(codec)
+    segments, _ = codecs.encode_segments(enc, delta, 256, 2048)
     return c.send_update(
         fragment=fragment,
-        payload=enc.encode(delta, 256),
+        payload=segments,
         codec=enc.wire,
         block_size=256,
         num_elements=n,
@@ -74,23 +76,33 @@ def send_delta(
     )
 
 
-def key(*parts: object) -> str:
-    return job_key("default", *parts)
+KEYS = JobKeys("default")
 
 
 def commit_log(r: redis.Redis, fragment: int) -> list[dict[str, object]]:
-    import json
-
-    return [json.loads(e) for e in r.lrange(key("log", fragment), 0, -1)]  # type: ignore[union-attr]
+    return inspect.commit_log(r, "default", fragment)
 
 
 def version(r: redis.Redis, fragment: int) -> int:
-    return int(r.hget(key("frag", fragment), "version") or -1)  # type: ignore[arg-type]
+    return int(r.hget(KEYS.frag(fragment), "version") or -1)  # type: ignore[arg-type]
+
+
+def stats(r: redis.Redis, fragments: int) -> dict[str, float]:
+    return inspect.stats(r, "default", fragments)
+
+
+def pending(r: redis.Redis, fragments: int) -> list[str]:
+    return inspect.pending(r, "default", fragments)
+
+
+def value_name(r: redis.Redis, fragment: int) -> str | None:
+    """The tensor-store name of a fragment's committed value (changes with every commit)."""
+    return inspect.value_name(r, "default", fragment)
 
 
 def chunks_for(
     fragment: int,
-    payload: bytes,
+    payload: bytes | list[codecs.Segment],
     *,
     codec: int,
     block_size: int,
@@ -99,15 +111,22 @@ def chunks_for(
     base_version: int = 0,
     c_steps: int = 10,
     c_tokens: int = 1000,
-    max_chunk: int = 1024,
+    learner: str = "l0",
+    incarnation: str = "",
 ) -> list[session_pb2.UpdateChunk]:
-    """Hand-built update chunks, for tests that send what a correct learner never would."""
-    from services.wire import make_header, split
+    """Hand-built update chunks, for tests that send what a correct learner never would: a
+    whole payload goes as one segment of every value."""
+    import xxhash
 
-    header = make_header(fragment, codec, block_size, num_elements, payload, max_chunk)
-    return [
-        session_pb2.UpdateChunk(
-            header=header,
+    segments = [codecs.Segment(0, num_elements, payload)] if isinstance(payload, bytes) else payload
+    header = session_pb2.UpdateChunk().header
+    header.fragment, header.codec, header.block_size = fragment, codec, block_size  # type: ignore[assignment]
+    header.num_elements, header.chunk_count = num_elements, len(segments)
+    header.total_bytes = sum(len(seg.data) for seg in segments)
+    header.checksum = xxhash.xxh3_64_intdigest(b"".join(seg.data for seg in segments))
+    out = []
+    for i, seg in enumerate(segments):
+        chunk = session_pb2.UpdateChunk(
             kind=session_pb2.UPDATE_KIND_OUTER_GRADIENT,
             seq=seq,
             base_version=base_version,
@@ -115,10 +134,15 @@ def chunks_for(
             c_tokens=c_tokens,
             compute_seconds=1.0,
             chunk_index=i,
-            data=d,
+            data=seg.data,
+            value_offset=seg.offset,
+            value_count=seg.count,
+            learner_id=learner,
+            incarnation=incarnation,
         )
-        for i, d in enumerate(split(payload, max_chunk))
-    ]
+        chunk.header.CopyFrom(header)
+        out.append(chunk)
+    return out
 
 
 def commit_versions(c: SynchronizerClient, r: redis.Redis, fragment: int, count: int) -> None:
@@ -126,7 +150,7 @@ def commit_versions(c: SynchronizerClient, r: redis.Redis, fragment: int, count:
     import time
 
     for v in range(count):
-        c.wait_ack(send_delta(c, fragment, 2, v, seed=v), 10)
+        c.wait_ack(send_delta(c, fragment, 2, v, seed=v), 10, received=True)
         deadline = time.monotonic() + 15
         while version(r, fragment) != v + 1:
             assert time.monotonic() < deadline, f"version {v + 1} was not committed"

@@ -22,7 +22,7 @@ import redis
 
 from cluster.processes import Child, atoll_command, child_env, synchronizer_args
 from cluster.redis_server import free_port
-from synchronizer.store import job_key
+from synchronizer.keys import JobKeys
 from tests.test_up import SMALL
 
 os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
@@ -157,7 +157,7 @@ def test_learners_on_the_host_train_through_a_containerized_synchronizer_that_is
             )
 
         def versions() -> int:
-            return sum(int(r.hget(job_key(JOB, "frag", p), "version") or 0) for p in range(2))
+            return sum(int(r.hget(JobKeys(JOB).frag(p), "version") or 0) for p in range(2))
 
         wait_until(lambda: versions() >= 4, 180, "rounds committing through the container")
         before = versions()
@@ -172,7 +172,7 @@ def test_learners_on_the_host_train_through_a_containerized_synchronizer_that_is
         summaries = [json.loads((tmp_path / f"learner-{i}.json").read_text()) for i in range(2)]
         assert all(s["steps"] == 400 for s in summaries)
         assert sum(s["reconnects"] for s in summaries) >= 2  # both came back to it
-        committed = [int(r.hget(job_key(JOB, "frag", p), "version") or 0) for p in range(2)]
+        committed = [int(r.hget(JobKeys(JOB).frag(p), "version") or 0) for p in range(2)]
         for s in summaries:  # it trained: lower loss, and its model is one the job committed
             assert s["loss"]["final"] < s["loss"]["initial"]
             assert all(0 < v <= c for v, c in zip(s["versions"], committed, strict=True))

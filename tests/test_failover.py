@@ -33,8 +33,8 @@ def drive(
             versions[g.fragment] = max(versions[g.fragment], g.version)
         p = (i + index) % FRAGMENTS
         seq = support.send_delta(c, p, FRAGMENTS, versions[p], seed=1000 * index + i)
-        ack = c.wait_ack(seq, 60)
-        if ack.status in (session_pb2.ACK_STATUS_ACCEPTED, session_pb2.ACK_STATUS_DUPLICATE):
+        ack = c.wait_ack(seq, 60, received=True)
+        if ack.status in (session_pb2.ACK_STATUS_RECEIVED, session_pb2.ACK_STATUS_COMMITTED):
             acked.append(f"{c.learner_id}/{c.incarnation}/{seq}")
         else:
             refused.append(ack.reason)
@@ -74,9 +74,7 @@ def test_a_replica_killed_mid_run_loses_nothing_and_commits_each_round_once(
 
     r = redis.Redis(port=redis_server.port)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(
-        r.hlen(support.key("pmeta", p)) for p in range(FRAGMENTS)
-    ):
+    while time.monotonic() < deadline and any(c.unacked() for c in clients):
         time.sleep(0.1)
     merged: list[str] = []
     for p in range(FRAGMENTS):
@@ -87,8 +85,8 @@ def test_a_replica_killed_mid_run_loses_nothing_and_commits_each_round_once(
     all_acked = [u for batch in acked for u in batch]
     assert len(all_acked) == 4 * UPDATES_PER_CLIENT, f"refused: {refused}"
     assert len(merged) == len(set(merged)), "no update applied twice"
-    pending = [r.hlen(support.key("pmeta", p)) for p in range(FRAGMENTS)]
-    assert pending == [0] * FRAGMENTS, f"updates still pending: {pending}"
+    assert support.pending(r, FRAGMENTS) == [], "updates still pending"
+    assert all(c.unacked() == 0 for c in clients), "every update committed"
     assert sorted(merged) == sorted(all_acked), "every acknowledged update merged, exactly once"
     assert clients[0].stats.reconnects >= 1
     assert clients[1].stats.reconnects >= 1

@@ -18,6 +18,7 @@ from cluster.redis_server import RedisServer
 from learner.client import SessionError, SynchronizerClient
 from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
+from synchronizer import inspect
 from tests import support
 from tests.conftest import SpawnSynchronizer
 
@@ -32,10 +33,10 @@ def metric(port: int, name: str) -> float:
     raise KeyError(name)
 
 
-def health(address: str) -> int:
+def health(address: str, service: str = "atoll.v1.Synchronizer") -> int:
     with grpc.insecure_channel(address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="atoll.v1.Synchronizer"), timeout=5
+            health_pb2.HealthCheckRequest(service=service), timeout=5
         )
     return int(reply.status)
 
@@ -62,11 +63,14 @@ def test_health_serving_and_metrics(
         "atoll_redis_up",
     ):
         assert name in text
+    assert health(sync.address, "") == health_pb2.HealthCheckResponse.SERVING
     redis_server.stop()
     wait_until(
         lambda: health(sync.address) == health_pb2.HealthCheckResponse.NOT_SERVING,
         what="NOT_SERVING after Redis stopped",
     )
+    # Liveness does not follow Redis: a Redis outage must not get every replica restarted.
+    assert health(sync.address, "") == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_quorum_two_of_three_and_a_late_update_is_folded_into_the_next_round(
@@ -77,24 +81,24 @@ def test_quorum_two_of_three_and_a_late_update_is_folded_into_the_next_round(
     r = redis.Redis(port=redis_server.port)
     try:
         support.initialize(c0, 2)
-        c0.wait_ack(support.send_delta(c0, 0, 2, 0, seed=1), 10)
+        c0.wait_ack(support.send_delta(c0, 0, 2, 0, seed=1), 10, received=True)
         time.sleep(0.5)
         assert support.version(r, 0) == 0, "one update of K=2 must not merge"
-        c2.wait_ack(support.send_delta(c2, 0, 2, 0, seed=3), 10)
+        c2.wait_ack(support.send_delta(c2, 0, 2, 0, seed=3), 10, received=True)
         wait_until(lambda: support.version(r, 0) == 1, what="the round to merge at quorum")
         assert support.version(r, 0) == 1
         first = support.commit_log(r, 0)[0]
         assert sorted(first["learners"]) == ["l0", "l2"]  # type: ignore[arg-type]
         # c1 is late: its update (base version 0) arrives after the round merged.
-        c1.wait_ack(support.send_delta(c1, 0, 2, 0, seed=2), 10)
+        c1.wait_ack(support.send_delta(c1, 0, 2, 0, seed=2), 10, received=True)
         time.sleep(0.3)
         assert support.version(r, 0) == 1, "the late update alone is below quorum"
-        c0.wait_ack(support.send_delta(c0, 0, 2, 1, seed=4), 10)
+        c0.wait_ack(support.send_delta(c0, 0, 2, 1, seed=4), 10, received=True)
         wait_until(lambda: support.version(r, 0) == 2, what="second round")
         second = support.commit_log(r, 0)[1]
         assert sorted(second["learners"]) == ["l0", "l1"]  # type: ignore[arg-type]
         assert sorted(second["base_versions"]) == [0, 1]  # type: ignore[arg-type]
-        assert int(r.hget(support.key("stats"), "stale_folded") or 0) == 1
+        assert support.stats(r, 2)["stale_folded"] == 1
     finally:
         for c in (c0, c1, c2):
             c.close()
@@ -121,7 +125,7 @@ def test_rounds_stop_waiting_for_a_finishing_learner_with_nothing_more_for_them(
 
     try:
         support.initialize(c0, 2)
-        c0.wait_ack(support.send_delta(c0, 0, 2, 0, seed=1), 10)
+        c0.wait_ack(support.send_delta(c0, 0, 2, 0, seed=1), 10, received=True)
         time.sleep(1.0)
         assert support.version(r, 0) == 0, "quorum reached: the 30 s grace window waits"
         finishing(c1, [1])  # nothing more for fragment 0
@@ -142,11 +146,11 @@ def test_rounds_stop_waiting_for_a_finishing_learner_with_nothing_more_for_them(
 def _ones_for_fragment_1(seq: int) -> tuple[bytes, list[session_pb2.UpdateChunk]]:
     """An int8 update of all ones for fragment 1 of 2, and its chunks with this seq."""
     n = support.layout(2).fragments[1].num_elements
-    payload = codecs.by_name("int8").encode(np.ones(n, np.float32), 256)
+    segments, _ = codecs.encode_segments(codecs.by_name("int8"), np.ones(n, np.float32), 256, 1024)
     chunks = support.chunks_for(
-        1, payload, codec=fragment_pb2.CODEC_INT8, block_size=256, num_elements=n, seq=seq
+        1, segments, codec=fragment_pb2.CODEC_INT8, block_size=256, num_elements=n, seq=seq
     )
-    return payload, chunks
+    return b"".join(s.data for s in segments), chunks
 
 
 def test_a_retried_update_is_acknowledged_and_not_applied_twice(
@@ -158,18 +162,15 @@ def test_a_retried_update_is_acknowledged_and_not_applied_twice(
     try:
         support.initialize(c, 2)
         _, chunks = _ones_for_fragment_1(seq=500)
-        c.send_raw(chunks)
-        assert c.wait_ack(500, 10).status == session_pb2.ACK_STATUS_ACCEPTED
+        assert c.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
         wait_until(lambda: support.version(r, 1) == 1)
-        theta = r.get(support.key("theta", 1))
-        c.stats.acks.pop(500)
-        c.send_raw(chunks)
-        assert c.wait_ack(500, 10).status == session_pb2.ACK_STATUS_DUPLICATE
+        theta = support.value_name(r, 1)
+        assert c.ingest_raw(chunks).status == session_pb2.ACK_STATUS_DUPLICATE
         time.sleep(0.5)
         assert support.version(r, 1) == 1
-        assert r.get(support.key("theta", 1)) == theta
-        assert [e["uids"] for e in support.commit_log(r, 1)] == [[f"l0/{c.incarnation}/500"]]
-        assert int(r.hget(support.key("stats"), "updates_accepted") or 0) == 1
+        assert support.value_name(r, 1) == theta
+        assert [e["uids"] for e in support.commit_log(r, 1)] == [["l0//500"]]
+        assert support.stats(r, 2)["updates_accepted"] == 1
         assert metric(sync.metrics_port, "atoll_updates_duplicate_total") == 1
     finally:
         c.close()
@@ -186,21 +187,33 @@ def test_a_retry_of_a_still_pending_update_keeps_it_and_it_merges_once(
     r = redis.Redis(port=redis_server.port)
     try:
         support.initialize(c0, 2)
-        payload, chunks = _ones_for_fragment_1(seq=700)
-        c0.send_raw(chunks)
-        assert c0.wait_ack(700, 10).status == session_pb2.ACK_STATUS_ACCEPTED
-        c0.stats.acks.pop(700)
-        c0.send_raw(chunks)
-        assert c0.wait_ack(700, 10).status == session_pb2.ACK_STATUS_DUPLICATE
-        uid = f"l0/{c0.incarnation}/700"
-        assert r.get(support.key("payload", 1, uid)) == payload
-        assert r.ttl(support.key("payload", 1, uid)) == -1, "a pending payload never expires"
-        c1.wait_ack(support.send_delta(c1, 1, 2, 0, seed=5), 10)
+        _, chunks = _ones_for_fragment_1(seq=700)
+        assert c0.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
+        assert c0.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
+        uid = "l0//700"
+        assert support.pending(r, 2) == [uid], "received once, pending once"
+        # A retry with other bytes under the same seq is refused, and changes nothing.
+        _, other = _ones_for_fragment_1(seq=700)
+        other[-1].data = other[-1].data[:-1] + bytes([other[-1].data[-1] ^ 1])
+        other = support.chunks_for(
+            1,
+            [codecs.Segment(c.value_offset, c.value_count, c.data) for c in other],
+            codec=fragment_pb2.CODEC_INT8,
+            block_size=256,
+            num_elements=other[0].header.num_elements,
+            seq=700,
+        )
+        refused = c0.ingest_raw(other)
+        assert refused.status == session_pb2.ACK_STATUS_REJECTED
+        assert "other bytes" in refused.reason
+        seq1 = support.send_delta(c1, 1, 2, 0, seed=5)
+        c1.wait_ack(seq1, 10, received=True)
         wait_until(lambda: support.version(r, 1) == 1, what="the round of both learners")
         assert sorted(support.commit_log(r, 1)[0]["uids"]) == sorted(  # type: ignore[arg-type]
-            [uid, f"l1/{c1.incarnation}/{max(c1.stats.acks)}"]
+            [uid, f"l1/{c1.incarnation}/{seq1}"]
         )
-        assert r.hlen(support.key("pmeta", 1)) == 0
+        assert support.pending(r, 2) == []
+        assert c1.wait_ack(seq1, 10).status == session_pb2.ACK_STATUS_COMMITTED
     finally:
         c0.close()
         c1.close()
@@ -214,8 +227,13 @@ def _int8(n: int = N0, value: float = 1.0) -> bytes:
 
 
 def _flip(chunks: list[session_pb2.UpdateChunk]) -> list[session_pb2.UpdateChunk]:
-    chunks[0].data = bytes([chunks[0].data[0] ^ 0xFF]) + chunks[0].data[1:]
+    chunks[-1].data = chunks[-1].data[:-1] + bytes([chunks[-1].data[-1] ^ 0x01])
     return chunks
+
+
+def _segments_int8(seq: int) -> list[session_pb2.UpdateChunk]:
+    segments, _ = codecs.encode_segments(codecs.by_name("int8"), np.ones(N0, np.float32), 256, 512)
+    return support.chunks_for(0, segments, num_elements=N0, seq=seq, **INT8)
 
 
 def _nan_fp32() -> bytes:
@@ -251,7 +269,7 @@ BAD_INPUTS = {
         "checksum",
     ),
     "out_of_order": (
-        lambda s: support.chunks_for(0, _int8(), num_elements=N0, seq=s, **INT8)[::-1],
+        lambda s: _segments_int8(s)[::-1],
         "out of order",
     ),
     "non_finite": (
@@ -284,20 +302,14 @@ def test_each_bad_input_is_refused_with_a_reason_and_changes_nothing(
 
     def state() -> object:
         return [
-            (
-                r.hgetall(support.key("frag", p)),
-                r.get(support.key("theta", p)),
-                r.get(support.key("opt", p)),
-            )
-            for p in range(2)
+            (r.hgetall(support.KEYS.frag(p)), r.hgetall(support.KEYS.round(p))) for p in range(2)
         ]
 
     before = state()
     for seq, (case, (build, words)) in enumerate(BAD_INPUTS.items(), start=100):
         reason = REASON.get(case, case)
         counted = metric(sync.metrics_port, f'atoll_updates_rejected_total{{reason="{reason}"}}')
-        c.send_raw(build(seq))
-        ack = c.wait_ack(seq, 10)
+        ack = c.ingest_raw(build(seq))
         assert ack.status == session_pb2.ACK_STATUS_REJECTED, case
         assert ack.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], case
         assert words in ack.reason, (case, ack.reason)
@@ -305,9 +317,10 @@ def test_each_bad_input_is_refused_with_a_reason_and_changes_nothing(
         assert after == counted + 1, case
     time.sleep(0.5)
     assert state() == before
-    assert r.hlen(support.key("pmeta", 0)) == 0
+    assert support.pending(r, 2) == []
     # The session survived every refusal: a good update still goes through.
-    assert c.wait_ack(support.send_delta(c, 0, 2, 0), 10).status == session_pb2.ACK_STATUS_ACCEPTED
+    ack = c.wait_ack(support.send_delta(c, 0, 2, 0), 10, received=True)
+    assert ack.status == session_pb2.ACK_STATUS_RECEIVED
 
 
 def test_stale_updates_are_refused(
@@ -319,7 +332,7 @@ def test_stale_updates_are_refused(
     try:
         support.initialize(c, 2)
         support.commit_versions(c, r, 0, 3)
-        ack = c.wait_ack(support.send_delta(c, 0, 2, 0), 10)
+        ack = c.wait_ack(support.send_delta(c, 0, 2, 0), 10, received=True)
         assert ack.status == session_pb2.ACK_STATUS_REJECTED
         assert ack.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
         assert "fetch the fragment" in ack.reason
@@ -365,14 +378,14 @@ def test_redis_restarted_with_aof_loses_no_committed_version(tmp_path: Path) -> 
         try:
             support.initialize(c, 2)
             support.commit_versions(c, r, 0, 3)
-            theta = r.get(support.key("theta", 0))
+            theta = support.value_name(r, 0)
             server.restart(signal.SIGKILL)
             r = redis.Redis(port=server.port)
             assert support.version(r, 0) == 3
-            assert r.get(support.key("theta", 0)) == theta
+            assert support.value_name(r, 0) == theta
             assert [e["version"] for e in support.commit_log(r, 0)] == [1, 2, 3]
             # The replica carries on against the restarted Redis.
-            c.wait_ack(support.send_delta(c, 0, 2, 3, seed=9), 30)
+            c.wait_ack(support.send_delta(c, 0, 2, 3, seed=9), 30, received=True)
             wait_until(lambda: support.version(r, 0) == 4, timeout=30, what="commit after restart")
         finally:
             c.close()
@@ -394,12 +407,14 @@ def test_learners_rebuild_every_global_version_bit_for_bit_from_compressed_delta
         for v in range(rounds):  # each update is its own round (quorum 1)
             for i, c in enumerate((c0, c1)):
                 c.wait_ack(
-                    support.send_delta(c, v % 2, 2, support.version(r, v % 2), seed=v * 2 + i), 10
+                    support.send_delta(c, v % 2, 2, support.version(r, v % 2), seed=v * 2 + i),
+                    10,
+                    received=True,
                 )
             wait_until(lambda v=v: support.version(r, v % 2) >= v // 2 + 1, what=f"round {v}")
         # Every update merged: the job's versions no longer move.
         wait_until(
-            lambda: all(r.hlen(support.key("pmeta", p)) == 0 for p in range(2)),
+            lambda: support.pending(r, 2) == [],
             what="every update to be merged",
         )
         final = {p: support.version(r, p) for p in range(2)}
@@ -410,7 +425,8 @@ def test_learners_rebuild_every_global_version_bit_for_bit_from_compressed_delta
             )
             for p in range(2):
                 held = c._canonical[p][1]
-                theta = np.frombuffer(r.get(support.key("theta", p)), "<f4")  # type: ignore[arg-type]
+                value = inspect.global_value(r, "default", p, str(sync.log_path.parent / "tensors"))
+                theta = np.frombuffer(value, "<f4")  # type: ignore[arg-type]
                 assert held.tobytes() == theta.tobytes(), (p, downlink, np.abs(held - theta).max())
         # What came down were deltas: far fewer bytes than a float32 copy per version.
         full = sum(support.layout(2).fragments[p].num_elements * 4 for p in range(2))
@@ -445,8 +461,8 @@ def test_a_joiner_holding_the_initial_values_gets_them_confirmed_not_sent(
             np.testing.assert_array_equal(g.values, mine[g.fragment])
         assert unchanged_bytes < 200 < 4 * sum(v.size for v in mine.values()) <= whole_bytes
         # Once a fragment has moved, the initial values no longer match it.
-        c0.wait_ack(support.send_delta(c0, 0, 2, 0, seed=1), 10)
-        c1.wait_ack(support.send_delta(c1, 0, 2, 0, seed=2), 10)
+        c0.wait_ack(support.send_delta(c0, 0, 2, 0, seed=1), 10, received=True)
+        c1.wait_ack(support.send_delta(c1, 0, 2, 0, seed=2), 10, received=True)
         r = redis.Redis(port=redis_server.port)
         wait_until(lambda: support.version(r, 0) == 1, what="fragment 0 to merge")
         moved = {g.fragment: g for g in c1.fetch_state(held=mine)}

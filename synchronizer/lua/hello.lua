@@ -2,15 +2,15 @@
 -- match it. The newest incarnation of a learner id owns its lease. While the job has no
 -- parameters, one learner at a time holds the claim to send them (for claim_ms), so the
 -- others wait for them instead of all uploading the whole model.
--- KEYS: spec, learners, learner, ema, init, init_claim
--- ARGV: spec_json, id, incarnation, ttl_ms, step, claim_ms
+-- KEYS: spec, learners, learner, ema, init_claim
+-- ARGV: spec_json, id, incarnation, ttl_ms, step, claim_ms, initialized (1/0)
 -- Returns: status, previous incarnation (or the job's spec on a mismatch), holds the claim
 local stored = redis.call('GET', KEYS[1])
 if not stored then
   redis.call('SET', KEYS[1], ARGV[1])
   stored = ARGV[1]
 end
-if stored ~= ARGV[1] then return {'spec_mismatch', stored} end
+if stored ~= ARGV[1] then return {'spec_mismatch', stored, 0} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local previous = redis.call('HGET', KEYS[3], 'incarnation') or ''
@@ -20,8 +20,8 @@ redis.call('HINCRBY', KEYS[3], 'joins', 1)
 redis.call('HDEL', KEYS[4], ARGV[2])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[2])
 local claimed = 0
-if redis.call('EXISTS', KEYS[5]) == 0 then
-  redis.call('SET', KEYS[6], ARGV[2], 'NX', 'PX', tonumber(ARGV[6]))
-  if redis.call('GET', KEYS[6]) == ARGV[2] then claimed = 1 end
+if ARGV[7] == '0' then
+  redis.call('SET', KEYS[5], ARGV[2], 'NX', 'PX', tonumber(ARGV[6]))
+  if redis.call('GET', KEYS[5]) == ARGV[2] then claimed = 1 end
 end
 return {'ok', previous, claimed}

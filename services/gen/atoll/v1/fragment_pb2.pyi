@@ -144,7 +144,8 @@ Global___PayloadHeader: _TypeAlias = PayloadHeader  # noqa: Y015
 class GlobalFragmentChunk(_message.Message):
     """A new global value of one fragment, sent by the synchronizer (chunked): either the whole
     value (float32), or, with `delta`, an encoded delta from version `base_version`; the new
-    value is base + decode(delta) in float32, bit for bit what the synchronizer holds.
+    value is base + decode(delta) in float32, bit for bit what the synchronizer holds. Each
+    chunk holds values [value_offset, value_offset + value_count), encoded on their own.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -156,6 +157,8 @@ class GlobalFragmentChunk(_message.Message):
     DELTA_FIELD_NUMBER: _builtins.int
     BASE_VERSION_FIELD_NUMBER: _builtins.int
     UNCHANGED_FIELD_NUMBER: _builtins.int
+    VALUE_OFFSET_FIELD_NUMBER: _builtins.int
+    VALUE_COUNT_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     chunk_index: _builtins.int
     data: _builtins.bytes
@@ -163,6 +166,8 @@ class GlobalFragmentChunk(_message.Message):
     base_version: _builtins.int
     unchanged: _builtins.bool
     """equal to the value the request said it holds: no data"""
+    value_offset: _builtins.int
+    value_count: _builtins.int
     @_builtins.property
     def header(self) -> Global___PayloadHeader: ...
     def __init__(
@@ -175,10 +180,12 @@ class GlobalFragmentChunk(_message.Message):
         delta: _builtins.bool = ...,
         base_version: _builtins.int = ...,
         unchanged: _builtins.bool = ...,
+        value_offset: _builtins.int = ...,
+        value_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "chunk_index", b"chunk_index", "data", b"data", "delta", b"delta", "header", b"header", "unchanged", b"unchanged", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "chunk_index", b"chunk_index", "data", b"data", "delta", b"delta", "header", b"header", "unchanged", b"unchanged", "value_count", b"value_count", "value_offset", b"value_offset", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -49,21 +49,35 @@ class _AckStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AckStatus.V
     DESCRIPTOR: _descriptor.EnumDescriptor
     ACK_STATUS_UNSPECIFIED: _AckStatus.ValueType  # 0
     ACK_STATUS_ACCEPTED: _AckStatus.ValueType  # 1
+    """initial parameters taken"""
     ACK_STATUS_DUPLICATE: _AckStatus.ValueType  # 2
-    """already accepted earlier: not applied again"""
+    """already committed earlier: not applied again"""
     ACK_STATUS_REJECTED: _AckStatus.ValueType  # 3
     """refused; reason and code say why"""
     ACK_STATUS_ALREADY_INITIALIZED: _AckStatus.ValueType  # 4
+    ACK_STATUS_RECEIVED: _AckStatus.ValueType  # 5
+    """summed into its fragment's open round"""
+    ACK_STATUS_COMMITTED: _AckStatus.ValueType  # 6
+    """merged into a committed version"""
 
-class AckStatus(_AckStatus, metaclass=_AckStatusEnumTypeWrapper): ...
+class AckStatus(_AckStatus, metaclass=_AckStatusEnumTypeWrapper):
+    """An update is acknowledged twice: RECEIVED when its owner has summed it into the open round
+    (its record is in Redis), COMMITTED when the merge holding it is committed. A learner keeps
+    every update until it is committed, and sends it again if its owner changes before that.
+    """
 
 ACK_STATUS_UNSPECIFIED: AckStatus.ValueType  # 0
 ACK_STATUS_ACCEPTED: AckStatus.ValueType  # 1
+"""initial parameters taken"""
 ACK_STATUS_DUPLICATE: AckStatus.ValueType  # 2
-"""already accepted earlier: not applied again"""
+"""already committed earlier: not applied again"""
 ACK_STATUS_REJECTED: AckStatus.ValueType  # 3
 """refused; reason and code say why"""
 ACK_STATUS_ALREADY_INITIALIZED: AckStatus.ValueType  # 4
+ACK_STATUS_RECEIVED: AckStatus.ValueType  # 5
+"""summed into its fragment's open round"""
+ACK_STATUS_COMMITTED: AckStatus.ValueType  # 6
+"""merged into a committed version"""
 Global___AckStatus: _TypeAlias = AckStatus  # noqa: Y015
 
 @_typing.final
@@ -143,8 +157,9 @@ class JobConfig(_message.Message):
     max_staleness: _builtins.int
     max_chunk_bytes: _builtins.int
     job_steps: _builtins.int
+    """inner steps the whole job trains, over all learner slots; 0: no budget"""
     keep_overlap_progress: _builtins.bool
-    """theta <- Theta + (theta - theta_sent) on a reply      // inner steps the whole job trains, over all learner slots; 0: no budget"""
+    """theta <- Theta + (theta - theta_sent) on a reply"""
     def __init__(
         self,
         *,
@@ -179,6 +194,7 @@ class Welcome(_message.Message):
     INITIALIZED_FIELD_NUMBER: _builtins.int
     SYNCHRONIZER_ID_FIELD_NUMBER: _builtins.int
     INITIALIZER_FIELD_NUMBER: _builtins.int
+    OWNERS_FIELD_NUMBER: _builtins.int
     initialized: _builtins.bool
     """false: the job has no parameters yet"""
     synchronizer_id: _builtins.str
@@ -196,6 +212,10 @@ class Welcome(_message.Message):
     def versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """current version of each fragment"""
 
+    @_builtins.property
+    def owners(self) -> _containers.RepeatedCompositeFieldContainer[Global___FragmentOwner]:
+        """who ingests each fragment's updates now"""
+
     def __init__(
         self,
         *,
@@ -205,14 +225,71 @@ class Welcome(_message.Message):
         initialized: _builtins.bool = ...,
         synchronizer_id: _builtins.str = ...,
         initializer: _builtins.bool = ...,
+        owners: _abc.Iterable[Global___FragmentOwner] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "initialized", b"initialized", "initializer", b"initializer", "params", b"params", "synchronizer_id", b"synchronizer_id", "versions", b"versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "initialized", b"initialized", "initializer", b"initializer", "owners", b"owners", "params", b"params", "synchronizer_id", b"synchronizer_id", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Welcome: _TypeAlias = Welcome  # noqa: Y015
+
+@_typing.final
+class FragmentOwner(_message.Message):
+    """The replica that owns a fragment: it ingests the fragment's updates (the Ingest call),
+    merges them and commits. `epoch` grows with every change of owner: an update received
+    under an older epoch was lost with that owner's accumulator and must be sent again.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAGMENT_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    fragment: _builtins.int
+    replica: _builtins.str
+    address: _builtins.str
+    """HOST:PORT learners reach the owner at"""
+    epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        fragment: _builtins.int = ...,
+        replica: _builtins.str = ...,
+        address: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "epoch", b"epoch", "fragment", b"fragment", "replica", b"replica"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FragmentOwner: _TypeAlias = FragmentOwner  # noqa: Y015
+
+@_typing.final
+class OwnerMap(_message.Message):
+    """The owner map changed (a replica came, went or took a fragment over)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def owners(self) -> _containers.RepeatedCompositeFieldContainer[Global___FragmentOwner]: ...
+    def __init__(
+        self,
+        *,
+        owners: _abc.Iterable[Global___FragmentOwner] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owners", b"owners"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OwnerMap: _TypeAlias = OwnerMap  # noqa: Y015
 
 @_typing.final
 class Heartbeat(_message.Message):
@@ -267,7 +344,12 @@ Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 
 @_typing.final
 class UpdateChunk(_message.Message):
-    """One chunk of an update of one fragment."""
+    """One chunk of an update of one fragment, sent on an Ingest call to the fragment's owner.
+    Each chunk holds values [value_offset, value_offset + value_count) of the fragment encoded
+    on their own (a whole number of codec blocks), so the owner decodes and sums each chunk as
+    it arrives and never holds a payload whole. The header's checksum is XXH3-64 of all the
+    chunks' data in order, its total_bytes their summed length.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -280,6 +362,11 @@ class UpdateChunk(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
     CHUNK_INDEX_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    VALUE_OFFSET_FIELD_NUMBER: _builtins.int
+    VALUE_COUNT_FIELD_NUMBER: _builtins.int
+    TENSOR_NORMS_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    LEARNER_ID_FIELD_NUMBER: _builtins.int
     kind: Global___UpdateKind.ValueType
     seq: _builtins.int
     """per incarnation, increasing"""
@@ -293,8 +380,19 @@ class UpdateChunk(_message.Message):
     """inner-step compute time since the anchor"""
     chunk_index: _builtins.int
     data: _builtins.bytes
+    value_offset: _builtins.int
+    value_count: _builtins.int
+    incarnation: _builtins.str
+    """the sender's incarnation (the owner checks it is live)"""
+    learner_id: _builtins.str
     @_builtins.property
     def header(self) -> _fragment_pb2.PayloadHeader: ...
+    @_builtins.property
+    def tensor_norms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per tensor of the fragment (in layout order), the L2 norm of the decoded outer gradient:
+        radial merging and the norm bound read them before the values arrive. First chunk only.
+        """
+
     def __init__(
         self,
         *,
@@ -307,10 +405,15 @@ class UpdateChunk(_message.Message):
         compute_seconds: _builtins.float = ...,
         chunk_index: _builtins.int = ...,
         data: _builtins.bytes = ...,
+        value_offset: _builtins.int = ...,
+        value_count: _builtins.int = ...,
+        tensor_norms: _abc.Iterable[_builtins.float] | None = ...,
+        incarnation: _builtins.str = ...,
+        learner_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "c_steps", b"c_steps", "c_tokens", b"c_tokens", "chunk_index", b"chunk_index", "compute_seconds", b"compute_seconds", "data", b"data", "header", b"header", "kind", b"kind", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "c_steps", b"c_steps", "c_tokens", b"c_tokens", "chunk_index", b"chunk_index", "compute_seconds", b"compute_seconds", "data", b"data", "header", b"header", "incarnation", b"incarnation", "kind", b"kind", "learner_id", b"learner_id", "seq", b"seq", "tensor_norms", b"tensor_norms", "value_count", b"value_count", "value_offset", b"value_offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -325,6 +428,8 @@ class Ack(_message.Message):
     CODE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    FRAGMENT_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     status: Global___AckStatus.ValueType
     code: _builtins.int
@@ -333,6 +438,9 @@ class Ack(_message.Message):
     """what was wrong and what to do"""
     version: _builtins.int
     """fragment's current version"""
+    fragment: _builtins.int
+    epoch: _builtins.int
+    """RECEIVED: the owner epoch it was received under"""
     def __init__(
         self,
         *,
@@ -341,10 +449,12 @@ class Ack(_message.Message):
         code: _builtins.int = ...,
         reason: _builtins.str = ...,
         version: _builtins.int = ...,
+        fragment: _builtins.int = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "reason", b"reason", "seq", b"seq", "status", b"status", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "epoch", b"epoch", "fragment", b"fragment", "reason", b"reason", "seq", b"seq", "status", b"status", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -356,25 +466,21 @@ class LearnerMessage(_message.Message):
 
     HELLO_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
-    UPDATE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello: ...
     @_builtins.property
     def heartbeat(self) -> Global___Heartbeat: ...
-    @_builtins.property
-    def update(self) -> Global___UpdateChunk: ...
     def __init__(
         self,
         *,
         hello: Global___Hello | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
-        update: Global___UpdateChunk | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "update", b"update"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "update", b"update"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "heartbeat", "update"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "heartbeat"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -418,6 +524,7 @@ class SynchronizerMessage(_message.Message):
     ACK_FIELD_NUMBER: _builtins.int
     FRAGMENT_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    OWNERS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
@@ -426,6 +533,8 @@ class SynchronizerMessage(_message.Message):
     def fragment(self) -> _fragment_pb2.GlobalFragmentChunk: ...
     @_builtins.property
     def status(self) -> Global___JobStatus: ...
+    @_builtins.property
+    def owners(self) -> Global___OwnerMap: ...
     def __init__(
         self,
         *,
@@ -433,12 +542,13 @@ class SynchronizerMessage(_message.Message):
         ack: Global___Ack | None = ...,
         fragment: _fragment_pb2.GlobalFragmentChunk | None = ...,
         status: Global___JobStatus | None = ...,
+        owners: Global___OwnerMap | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "fragment", b"fragment", "kind", b"kind", "status", b"status", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "fragment", b"fragment", "kind", b"kind", "owners", b"owners", "status", b"status", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "fragment", b"fragment", "kind", b"kind", "status", b"status", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "fragment", b"fragment", "kind", b"kind", "owners", b"owners", "status", b"status", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "ack", "fragment", "status"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "ack", "fragment", "status", "owners"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -26,7 +26,7 @@ from . import fragment_pb2 as atoll_dot_v1_dot_fragment__pb2
 from . import session_pb2 as atoll_dot_v1_dot_session__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61toll/v1/synchronizer.proto\x12\x08\x61toll.v1\x1a\x17\x61toll/v1/fragment.proto\x1a\x16\x61toll/v1/session.proto\"\x95\x01\n\x11\x46\x65tchStateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tfragments\x18\x02 \x03(\r\x12\x33\n\x04held\x18\x03 \x03(\x0b\x32%.atoll.v1.FetchStateRequest.HeldEntry\x1a+\n\tHeldEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x06:\x02\x38\x01\x32\xa2\x01\n\x0cSynchronizer\x12\x46\n\x07Session\x12\x18.atoll.v1.LearnerMessage\x1a\x1d.atoll.v1.SynchronizerMessage(\x01\x30\x01\x12J\n\nFetchState\x12\x1b.atoll.v1.FetchStateRequest\x1a\x1d.atoll.v1.GlobalFragmentChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61toll/v1/synchronizer.proto\x12\x08\x61toll.v1\x1a\x17\x61toll/v1/fragment.proto\x1a\x16\x61toll/v1/session.proto\"\x95\x01\n\x11\x46\x65tchStateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tfragments\x18\x02 \x03(\r\x12\x33\n\x04held\x18\x03 \x03(\x0b\x32%.atoll.v1.FetchStateRequest.HeldEntry\x1a+\n\tHeldEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x06:\x02\x38\x01\x32\xd4\x01\n\x0cSynchronizer\x12\x46\n\x07Session\x12\x18.atoll.v1.LearnerMessage\x1a\x1d.atoll.v1.SynchronizerMessage(\x01\x30\x01\x12\x30\n\x06Ingest\x12\x15.atoll.v1.UpdateChunk\x1a\r.atoll.v1.Ack(\x01\x12J\n\nFetchState\x12\x1b.atoll.v1.FetchStateRequest\x1a\x1d.atoll.v1.GlobalFragmentChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,5 +40,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHSTATEREQUEST_HELDENTRY']._serialized_start=197
   _globals['_FETCHSTATEREQUEST_HELDENTRY']._serialized_end=240
   _globals['_SYNCHRONIZER']._serialized_start=243
-  _globals['_SYNCHRONIZER']._serialized_end=405
+  _globals['_SYNCHRONIZER']._serialized_end=455
 # @@protoc_insertion_point(module_scope)

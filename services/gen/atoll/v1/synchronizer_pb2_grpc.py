@@ -41,6 +41,11 @@ class SynchronizerStub:
                 request_serializer=atoll_dot_v1_dot_session__pb2.LearnerMessage.SerializeToString,
                 response_deserializer=atoll_dot_v1_dot_session__pb2.SynchronizerMessage.FromString,
                 _registered_method=True)
+        self.Ingest = channel.stream_unary(
+                '/atoll.v1.Synchronizer/Ingest',
+                request_serializer=atoll_dot_v1_dot_session__pb2.UpdateChunk.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_session__pb2.Ack.FromString,
+                _registered_method=True)
         self.FetchState = channel.unary_stream(
                 '/atoll.v1.Synchronizer/FetchState',
                 request_serializer=atoll_dot_v1_dot_synchronizer__pb2.FetchStateRequest.SerializeToString,
@@ -54,6 +59,15 @@ class SynchronizerServicer:
     def Session(self, request_iterator, context):
         """One long-lived stream per learner: hello, heartbeats and updates up; welcome, acks
         and new global fragments down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ingest(self, request_iterator, context):
+        """One update of one fragment, chunk by chunk, to the replica that owns the fragment;
+        answered RECEIVED (summed into the open round), DUPLICATE or REJECTED. FAILED_PRECONDITION
+        with "not the owner" means the owner map moved: look it up again and resend.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,6 +87,11 @@ def add_SynchronizerServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=atoll_dot_v1_dot_session__pb2.LearnerMessage.FromString,
                     response_serializer=atoll_dot_v1_dot_session__pb2.SynchronizerMessage.SerializeToString,
+            ),
+            'Ingest': grpc.stream_unary_rpc_method_handler(
+                    servicer.Ingest,
+                    request_deserializer=atoll_dot_v1_dot_session__pb2.UpdateChunk.FromString,
+                    response_serializer=atoll_dot_v1_dot_session__pb2.Ack.SerializeToString,
             ),
             'FetchState': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchState,
@@ -107,6 +126,33 @@ class Synchronizer:
             '/atoll.v1.Synchronizer/Session',
             atoll_dot_v1_dot_session__pb2.LearnerMessage.SerializeToString,
             atoll_dot_v1_dot_session__pb2.SynchronizerMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ingest(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/atoll.v1.Synchronizer/Ingest',
+            atoll_dot_v1_dot_session__pb2.UpdateChunk.SerializeToString,
+            atoll_dot_v1_dot_session__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,6 +37,11 @@ class SynchronizerStub:
     """One long-lived stream per learner: hello, heartbeats and updates up; welcome, acks
     and new global fragments down.
     """
+    Ingest: _grpc.StreamUnaryMultiCallable[_session_pb2.UpdateChunk, _session_pb2.Ack]
+    """One update of one fragment, chunk by chunk, to the replica that owns the fragment;
+    answered RECEIVED (summed into the open round), DUPLICATE or REJECTED. FAILED_PRECONDITION
+    with "not the owner" means the owner map moved: look it up again and resend.
+    """
     FetchState: _grpc.UnaryStreamMultiCallable[_synchronizer_pb2.FetchStateRequest, _fragment_pb2.GlobalFragmentChunk]
     """The current global value of the requested fragments, for (re)joining."""
 
@@ -46,6 +51,11 @@ class SynchronizerAsyncStub(SynchronizerStub):
     Session: _aio.StreamStreamMultiCallable[_session_pb2.LearnerMessage, _session_pb2.SynchronizerMessage]  # type: ignore[assignment]
     """One long-lived stream per learner: hello, heartbeats and updates up; welcome, acks
     and new global fragments down.
+    """
+    Ingest: _aio.StreamUnaryMultiCallable[_session_pb2.UpdateChunk, _session_pb2.Ack]  # type: ignore[assignment]
+    """One update of one fragment, chunk by chunk, to the replica that owns the fragment;
+    answered RECEIVED (summed into the open round), DUPLICATE or REJECTED. FAILED_PRECONDITION
+    with "not the owner" means the owner map moved: look it up again and resend.
     """
     FetchState: _aio.UnaryStreamMultiCallable[_synchronizer_pb2.FetchStateRequest, _fragment_pb2.GlobalFragmentChunk]  # type: ignore[assignment]
     """The current global value of the requested fragments, for (re)joining."""
@@ -59,6 +69,17 @@ class SynchronizerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_session_pb2.SynchronizerMessage], _abc.AsyncIterator[_session_pb2.SynchronizerMessage]]:
         """One long-lived stream per learner: hello, heartbeats and updates up; welcome, acks
         and new global fragments down.
+        """
+
+    @_abc_1.abstractmethod
+    def Ingest(
+        self,
+        request_iterator: _MaybeAsyncIterator[_session_pb2.UpdateChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_pb2.Ack, _abc.Awaitable[_session_pb2.Ack]]:
+        """One update of one fragment, chunk by chunk, to the replica that owns the fragment;
+        answered RECEIVED (summed into the open round), DUPLICATE or REJECTED. FAILED_PRECONDITION
+        with "not the owner" means the owner map moved: look it up again and resend.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,260 @@
+"""The Ingest call: one update of one fragment, chunk by chunk, into the fragment's owner.
+
+Every chunk is checked before it changes anything: the header against the job's layout, the
+chunk's place and size against the fragment, its bytes against the codec. Chunks are summed
+as they arrive; the update is recorded once whole and its checksum verified, and taken out
+again if anything fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import numpy as np
+import structlog
+import xxhash
+
+from services import codec as codecs
+from services import telemetry as tm
+from services.config import JobConfig
+from services.gen.atoll.v1 import session_pb2
+from services.layout import FragmentLayout
+from synchronizer.admission import Rejection, check_chunk, check_header
+from synchronizer.owner import FragmentOwner, Update
+from synchronizer.ownership import Ownership
+from synchronizer.store import ControlStore
+
+log = structlog.get_logger("atoll.synchronizer.ingest")
+
+NOT_OWNER = "not the owner of fragment {p}; look up the owner map again and resend"
+
+REFUSALS: dict[str, tuple[str, grpc.StatusCode, str]] = {
+    "stale": (
+        "stale",
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "update is based on version {base}, fragment is at {version}: more than "
+        "{max_staleness} behind; fetch the fragment and continue from it",
+    ),
+    "future": (
+        "bad_request",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "update claims base version {base}, newer than the fragment's {version}; the "
+        "learner's state is corrupt, restart it",
+    ),
+    "uninitialized": (
+        "bad_request",
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "fragment {p} has no global value yet; send the job's initial parameters first",
+    ),
+    "checksum": (
+        "checksum",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "update {seq} was received before with other bytes; a retry must resend the same update",
+    ),
+}
+
+
+class Ingest:
+    def __init__(
+        self,
+        config: JobConfig,
+        store: ControlStore,
+        ownership: Ownership,
+        layout: Callable[[], FragmentLayout | None],
+    ) -> None:
+        self.config, self.store, self.ownership, self._layout = config, store, ownership, layout
+
+    async def Ingest(
+        self,
+        request_iterator: AsyncIterator[session_pb2.UpdateChunk],
+        context: grpc.aio.ServicerContext[session_pb2.UpdateChunk, session_pb2.Ack],
+    ) -> session_pb2.Ack:
+        try:
+            first = await anext(request_iterator)
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an Ingest call sent no chunk")
+            raise
+        layout = self._layout()
+        try:
+            if layout is None:
+                raise Rejection(
+                    "bad_request",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "the job has no parameter spec yet; a learner must say hello first",
+                )
+            codec = check_header(first.header, first.kind, first.c_steps, layout)
+        except Rejection as rejection:
+            return await self._refuse(first, rejection)
+        p = first.header.fragment
+        owner = self.ownership.owned.get(p)
+        if owner is None or owner.lost:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NOT_OWNER.format(p=p))
+        assert owner is not None
+        if first.kind == session_pb2.UPDATE_KIND_INITIAL:
+            return await self._initial(owner, first, request_iterator)
+        return await self._update(owner, codec, first, request_iterator)
+
+    async def _chunks(
+        self, first: session_pb2.UpdateChunk, rest: AsyncIterator[session_pb2.UpdateChunk]
+    ) -> AsyncIterator[session_pb2.UpdateChunk]:
+        """The call's chunks in order, each checked against the first's header."""
+        expected_offset, n = 0, first.header.num_elements
+        chunk: session_pb2.UpdateChunk | None = first
+        index = 0
+        while chunk is not None:
+            if index >= first.header.chunk_count:
+                raise Rejection(
+                    "out_of_order", grpc.StatusCode.INVALID_ARGUMENT, "more chunks than announced"
+                )
+            check_chunk(chunk, first, index, expected_offset, n)
+            yield chunk
+            expected_offset += chunk.value_count
+            index += 1
+            chunk = await anext(rest, None)
+        if expected_offset != n or index != first.header.chunk_count:
+            raise Rejection(
+                "out_of_order",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the update ended after {expected_offset} of {n} values "
+                f"({index} of {first.header.chunk_count} chunks); resend it whole",
+            )
+
+    async def _update(
+        self,
+        owner: FragmentOwner,
+        codec: codecs.Codec,
+        first: session_pb2.UpdateChunk,
+        rest: AsyncIterator[session_pb2.UpdateChunk],
+    ) -> session_pb2.Ack:
+        if owner.rule.needs_norms and len(first.tensor_norms) != len(owner.segments):
+            return await self._refuse(
+                first,
+                Rejection(
+                    "bad_request",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the {owner.rule.name} merge needs the norm of each of the fragment's "
+                    f"{len(owner.segments)} tensors in the first chunk (tensor_norms)",
+                ),
+            )
+        update: Update = owner.begin(
+            learner=first.learner_id,
+            incarnation=first.incarnation,
+            seq=first.seq,
+            base_version=first.base_version,
+            c_steps=first.c_steps,
+            c_tokens=first.c_tokens,
+            compute_seconds=first.compute_seconds,
+            norms=list(first.tensor_norms),
+            codec=codec,
+            block_size=first.header.block_size,
+        )
+        try:
+            async for chunk in self._chunks(first, rest):
+                try:
+                    await owner.add(update, chunk.value_offset, chunk.value_count, chunk.data)
+                except codecs.CodecError as err:
+                    reason = "non_finite" if "NaN" in str(err) else "bad_codec"
+                    raise Rejection(reason, grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+            if update.hasher.intdigest() != first.header.checksum:
+                raise Rejection(
+                    "checksum",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "payload checksum mismatch: bytes were corrupted; resend the update",
+                )
+        except Rejection as rejection:
+            await owner.abandon(update)
+            return await self._refuse(first, rejection)
+        except BaseException:
+            await owner.abandon(update)
+            raise
+        status, version = await owner.receive(update, first.header.checksum)
+        ack = session_pb2.Ack(
+            seq=first.seq, fragment=first.header.fragment, version=version, epoch=owner.epoch
+        )
+        if status in ("received", "again"):
+            ack.status = session_pb2.ACK_STATUS_RECEIVED
+            return ack
+        if status == "duplicate":
+            tm.UPDATES_DUPLICATE.inc()
+            ack.status = session_pb2.ACK_STATUS_DUPLICATE
+            return ack
+        if status == "not_owner":
+            raise Rejection(
+                "bad_request",
+                grpc.StatusCode.FAILED_PRECONDITION,
+                NOT_OWNER.format(p=first.header.fragment),
+            )
+        reason, code, text = REFUSALS[status]
+        message = text.format(
+            base=first.base_version,
+            version=version,
+            max_staleness=self.config.max_staleness,
+            p=first.header.fragment,
+            seq=first.seq,
+        )
+        return await self._refuse(first, Rejection(reason, code, message), version)
+
+    async def _initial(
+        self,
+        owner: FragmentOwner,
+        first: session_pb2.UpdateChunk,
+        rest: AsyncIterator[session_pb2.UpdateChunk],
+    ) -> session_pb2.Ack:
+        values = np.empty(owner.size, np.float32)
+        hasher = xxhash.xxh3_64()
+        try:
+            async for chunk in self._chunks(first, rest):
+                try:
+                    part = codecs.by_name("fp32").decode(chunk.data, chunk.value_count, 0)
+                except codecs.CodecError as err:
+                    raise Rejection(
+                        "bad_codec", grpc.StatusCode.INVALID_ARGUMENT, str(err)
+                    ) from None
+                values[chunk.value_offset : chunk.value_offset + chunk.value_count] = part
+                hasher.update(chunk.data)
+            if hasher.intdigest() != first.header.checksum:
+                raise Rejection(
+                    "checksum", grpc.StatusCode.INVALID_ARGUMENT, "payload checksum mismatch"
+                )
+        except Rejection as rejection:
+            return await self._refuse(first, rejection)
+        ack = session_pb2.Ack(seq=first.seq, fragment=first.header.fragment, epoch=owner.epoch)
+        if owner.version is not None:
+            ack.status = session_pb2.ACK_STATUS_ALREADY_INITIALIZED
+            return ack
+        value, state = await owner.initial_state(values)
+        if await self.store.init_fragment(owner.fragment, value, state):
+            await owner.load(await self.store.pointer(owner.fragment))
+            ack.status = session_pb2.ACK_STATUS_ACCEPTED
+            log.info("fragment_initialized", fragment=owner.fragment, learner=first.learner_id)
+        else:
+            await owner.tensors.delete([value, *state])
+            await owner.load(await self.store.pointer(owner.fragment))
+            ack.status = session_pb2.ACK_STATUS_ALREADY_INITIALIZED
+        return ack
+
+    async def _refuse(
+        self, chunk: session_pb2.UpdateChunk, rejection: Rejection, version: int = 0
+    ) -> session_pb2.Ack:
+        tm.UPDATES_REJECTED.labels(reason=rejection.reason).inc()
+        # The metric has it; the job's total misses one while Redis is away.
+        with contextlib.suppress(Exception):
+            await self.store.add_stats(updates_rejected=1)
+        log.info(
+            "update_rejected",
+            learner=chunk.learner_id,
+            seq=chunk.seq,
+            fragment=chunk.header.fragment,
+            reason=rejection.reason,
+            detail=rejection.message,
+        )
+        return session_pb2.Ack(
+            seq=chunk.seq,
+            fragment=chunk.header.fragment,
+            status=session_pb2.ACK_STATUS_REJECTED,
+            code=rejection.code.value[0],
+            reason=rejection.message,
+            version=version,
+        )

@@ -1,0 +1,454 @@
+"""A fragment's owner: sums updates into the open round as their chunks arrive, merges, takes
+the outer step and commits.
+
+One replica owns a fragment at a time (a lease with a fencing epoch, `ownership.py`). The
+owner holds the fragment's value, optimizer state and downlink residual in memory, and two
+accumulators at most (the round being merged, and the next one that updates arriving during
+the merge go to), whatever the number of learners. A chunk is decoded and summed on the
+fragment's own worker thread (numpy releases the GIL) while the next one arrives. An update is
+recorded in Redis only once all its chunks are summed and checked; one refused after summing
+is taken out again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+import xxhash
+
+from services import codec as codecs
+from services import telemetry as tm
+from services.config import JobConfig
+from services.downlink import step_segment
+from services.tape import Tape
+from synchronizer.merge import (
+    MERGE_RULES,
+    Accumulator,
+    OuterOptimizer,
+    partial_round_scale,
+    staleness_weight,
+    token_weight,
+)
+from synchronizer.rounds import RoundPolicy, RoundState, decide
+from synchronizer.store import Commit, ControlStore, Live, Pointer
+from synchronizer.tensors import TensorStore, object_name, version_of
+
+log = structlog.get_logger("atoll.synchronizer.owner")
+KEEP_VERSIONS = 12  # versions kept in the tensor store (deltas to catch learners up)
+EVALUATE_EVERY_S = 0.1
+T_SYNC_DECAY = 0.8
+
+
+class OwnerLost(RuntimeError):
+    """This replica no longer owns the fragment (its lease lapsed or was taken)."""
+
+
+@dataclass(eq=False)
+class Update:
+    """An update on its way in: what it weighs, where it is summed, its chunks so far."""
+
+    learner: str
+    incarnation: str
+    seq: int
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    compute_seconds: float
+    weight: float
+    norms: tuple[float, ...]
+    codec: codecs.Codec
+    block_size: int
+    accumulator: Accumulator
+    chunks: list[tuple[int, int, bytes]] = field(default_factory=list)
+    hasher: Any = field(default_factory=xxhash.xxh3_64)
+
+    @property
+    def uid(self) -> str:
+        return f"{self.learner}/{self.incarnation}/{self.seq}"
+
+
+class FragmentOwner:
+    def __init__(
+        self,
+        *,
+        fragment: int,
+        size: int,
+        segments: Sequence[int],
+        epoch: int,
+        replica: str,
+        config: JobConfig,
+        store: ControlStore,
+        tensors: TensorStore,
+        tape: Tape,
+        fragments: int,
+    ) -> None:
+        self.fragment, self.size, self.segments = fragment, size, tuple(segments)
+        self.epoch, self.replica = epoch, replica
+        self.config, self.store, self.tensors, self.tape = config, store, tensors, tape
+        self.fragments = fragments
+        self.rule = MERGE_RULES[config.merge]
+        self.optimizer = OuterOptimizer(config.outer_lr, config.outer_momentum)
+        self.downlink = codecs.by_name(config.downlink_codec)
+        self.policy = RoundPolicy(
+            mode=config.mode,
+            quorum=config.quorum,
+            overlap_steps=config.overlap_steps,
+            gamma=config.grace_gamma,
+            fixed_grace_s=config.grace_seconds,
+        )
+        self.version: int | None = None  # None: no value yet (the job is not initialized)
+        self.theta = np.zeros(0, np.float32)
+        self.state: list[np.ndarray] = []
+        self.residual = np.zeros(0, np.float32)
+        self.current = self.rule.new(size, self.segments)
+        self.members: list[Update] = []  # received into the open round
+        self.in_flight: set[Update] = set()  # summing, not received yet
+        self.opened_at = time.monotonic()
+        self.quorum_at: float | None = None
+        self.deadline: float | None = None
+        self.t_sync_s = 0.0
+        self.lost = False
+        self.merging = False
+        self.wake = asyncio.Event()
+        # One thread per fragment: chunk sums and the merge never race on its arrays.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"atoll-frag{fragment}")
+
+    async def _on_worker(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    # --- loading ------------------------------------------------------------------------
+    async def load(self, pointer: Pointer | None) -> None:
+        """Take the committed value and state from the tensor store (nothing if none yet)."""
+        if pointer is None:
+            return
+        value = await self.tensors.get_arrays(pointer.value, self.size)
+        states = [(await self.tensors.get_arrays(n, self.size))[0] for n in pointer.state]
+        self.theta = value[0]
+        n_opt = len(self.optimizer.init(self.theta[:0]))
+        self.state = states[:n_opt] or self.optimizer.init(self.theta)
+        self.residual = states[n_opt] if len(states) > n_opt else np.zeros_like(self.theta)
+        self.version = pointer.version
+        self.opened_at = time.monotonic()
+        log.info("fragment_loaded", fragment=self.fragment, version=self.version, epoch=self.epoch)
+
+    async def initial_state(self, values: np.ndarray) -> tuple[str, tuple[str, ...]]:
+        """Write a fragment's initial value and optimizer state; return their names."""
+        value = object_name(self.store.job, self.fragment, 0, self.epoch, "value")
+        await self.tensors.put(value, values)
+        state = []
+        for i, array in enumerate(
+            [*self.optimizer.init(values), np.zeros_like(values, np.float32)]
+        ):
+            name = object_name(self.store.job, self.fragment, 0, self.epoch, f"state{i}")
+            await self.tensors.put(name, array)
+            state.append(name)
+        return value, tuple(state)
+
+    # --- ingest -------------------------------------------------------------------------
+    def begin(
+        self,
+        *,
+        learner: str,
+        incarnation: str,
+        seq: int,
+        base_version: int,
+        c_steps: int,
+        c_tokens: int,
+        compute_seconds: float,
+        norms: Sequence[float],
+        codec: codecs.Codec,
+        block_size: int,
+    ) -> Update:
+        weight = token_weight(c_tokens, c_steps)
+        if self.version is not None and self.config.staleness_decay != 1.0:
+            weight *= staleness_weight(self.version - base_version, self.config.staleness_decay)
+        update = Update(
+            learner,
+            incarnation,
+            seq,
+            base_version,
+            c_steps,
+            c_tokens,
+            compute_seconds,
+            max(weight, 1e-30),
+            tuple(norms),
+            codec,
+            block_size,
+            self.current,
+        )
+        self.in_flight.add(update)
+        return update
+
+    async def add(self, update: Update, offset: int, count: int, data: bytes) -> None:
+        """Decode one chunk and sum it into the update's round (raises CodecError)."""
+        await self._on_worker(self._add, update, offset, count, data)
+        update.chunks.append((offset, count, data))
+        update.hasher.update(data)
+
+    def _add(self, update: Update, offset: int, count: int, data: bytes) -> None:
+        values = update.codec.decode(data, count, update.block_size)
+        update.accumulator.add(offset, values, update.weight, update.norms)
+
+    def _take_out(self, update: Update, accumulator: Accumulator) -> None:
+        for offset, count, data in update.chunks:
+            values = update.codec.decode(data, count, update.block_size)
+            accumulator.subtract(offset, values, update.weight, update.norms)
+
+    def _move(self, update: Update, target: Accumulator) -> None:
+        self._take_out(update, update.accumulator)
+        for offset, count, data in update.chunks:
+            values = update.codec.decode(data, count, update.block_size)
+            target.add(offset, values, update.weight, update.norms)
+        update.accumulator = target
+
+    async def abandon(self, update: Update) -> None:
+        """An update that will not be received (its stream broke, or it was refused)."""
+        if update in self.in_flight:
+            self.in_flight.discard(update)
+            await self._on_worker(self._take_out, update, update.accumulator)
+
+    async def receive(self, update: Update, checksum: int) -> tuple[str, int]:
+        """Record a whole, checked update in Redis; on any status but `received` it is taken
+        out of the sum again. Returns (status, version)."""
+        record = {
+            "learner": update.learner,
+            "incarnation": update.incarnation,
+            "seq": update.seq,
+            "base_version": update.base_version,
+            "c_steps": update.c_steps,
+            "c_tokens": update.c_tokens,
+            "weight": update.weight,
+            "epoch": self.epoch,
+        }
+        try:
+            status, version = await self.store.receive(
+                self.fragment,
+                self.replica,
+                self.epoch,
+                learner=update.learner,
+                incarnation=update.incarnation,
+                seq=update.seq,
+                checksum=checksum,
+                base_version=update.base_version,
+                max_staleness=self.config.max_staleness,
+                record=record,
+            )
+        except BaseException:
+            await self.abandon(update)
+            raise
+        if status != "received":
+            await self.abandon(update)
+            if status == "not_owner":
+                self.lost = True
+            return status, version
+        self.in_flight.discard(update)
+        update.accumulator.counted(update.weight, update.norms, 1)
+        self.members.append(update)  # of the open round: one sealed meanwhile moved it
+        tm.UPDATES_ACCEPTED.inc()
+        self.tape.write("accepted", uid=update.uid, fragment=self.fragment, learner=update.learner)
+        self.wake.set()
+        return status, version
+
+    # --- the round ----------------------------------------------------------------------
+    def round_state(self, live: Live, now: float) -> tuple[RoundState, float]:
+        """The open round as the round rule reads it, and the slowest live step time."""
+        contributors = {u.learner for u in self.members}
+        in_flight = {u.learner for u in self.in_flight}
+        finished = sum(1 for lv in live.learners if lv.finished)
+        waiting = sum(
+            1
+            for lv in live.learners
+            if not lv.finished
+            and lv.learner not in contributors
+            and (lv.still_to_send is None or self.fragment in lv.still_to_send)
+        )
+        waiting += len(in_flight - {lv.learner for lv in live.learners})
+        state = RoundState(
+            contributors=len(contributors),
+            live_learners=len(live.learners),
+            opened_at=self.opened_at,
+            quorum_at=self.quorum_at,
+            deadline=self.deadline,
+            now=now,
+            finished_learners=finished,
+            waiting=waiting,
+        )
+        slowest = max((lv.step_time_ema_s for lv in live.learners), default=0.0)
+        return state, slowest
+
+    async def evaluate(self, live: Live) -> None:
+        """Decide on the open round; merge it when the rule says so."""
+        if self.version is None or self.merging or self.lost or not self.members:
+            return
+        now = time.monotonic()
+        state, slowest = self.round_state(live, now)
+        decision = decide(state, self.policy, slowest_step_s=slowest, t_sync_s=self.t_sync_s)
+        if decision.new_deadline is not None and decision.grace_s is not None:
+            self.quorum_at, self.deadline = now, decision.new_deadline
+            tm.GRACE_SECONDS.observe(decision.grace_s)
+        if decision.merge_now:
+            live_count = len(live.learners) if self.config.partial_rounds == "scaled" else 0
+            await self.merge(live_count)
+
+    async def merge(self, live_learners: int) -> None:
+        self.merging = True
+        started = time.monotonic()
+        try:
+            members, sealed = await self._on_worker(self._seal)
+            if not members:
+                return
+            await self._commit(members, sealed, live_learners, started)
+        finally:
+            self.merging = False
+
+    def _seal(self) -> tuple[list[Update], Accumulator]:
+        """Close the round: its members and sum; updates still arriving move to the next."""
+        members, sealed = self.members, self.current
+        self.members, self.current = [], self.rule.new(self.size, self.segments)
+        for update in list(self.in_flight):
+            if update.accumulator is sealed:
+                self._move(update, self.current)
+        return members, sealed
+
+    def _step(self, sealed: Accumulator, scale: float) -> list[tuple[int, int, bytes]]:
+        """The outer step and the downlink delta, in place, one segment at a time."""
+        sealed.prepare()
+        step = codecs.segment_values(
+            self.downlink, self.config.block_size, self.config.max_chunk_bytes
+        )
+        delta = []
+        for start in range(0, self.size, step):
+            s = slice(start, min(self.size, start + step))
+            move = self.optimizer.move(self.state, sealed.outer_gradient(s.start, s.stop, scale), s)
+            np.add(move, self.residual[s], out=move)  # what earlier deltas lost
+            data = step_segment(
+                self.theta[s], move, self.residual[s], self.downlink, self.config.block_size
+            )
+            delta.append((s.start, s.stop - s.start, data))
+        return delta
+
+    async def _commit(
+        self, updates: list[Update], sealed: Accumulator, live_learners: int, started: float
+    ) -> None:
+        assert self.version is not None
+        learners = {u.learner for u in updates}
+        scale = partial_round_scale(len(learners), live_learners) if live_learners else 1.0
+        delta = await self._on_worker(self._step, sealed, scale)
+        version = self.version + 1
+        job, p, e = self.store.job, self.fragment, self.epoch
+        value_name = object_name(job, p, version, e, "value")
+        delta_name = object_name(job, p, version, e, "delta")
+        state_names = tuple(
+            object_name(job, p, version, e, f"state{i}") for i in range(len(self.state) + 1)
+        )
+        await self.tensors.put(value_name, self.theta)
+        for name, array in zip(state_names, [*self.state, self.residual], strict=True):
+            await self.tensors.put(name, array)
+        await self.tensors.put(delta_name, _pack_delta(delta))
+        useful = sum(u.compute_seconds for u in updates) / max(1, self.fragments)
+        staleness = [self.version - u.base_version for u in updates]
+        entry = {
+            "fragment": p,
+            "version": version,
+            "uids": [u.uid for u in updates],
+            "learners": [u.learner for u in updates],
+            "weights": [u.weight for u in updates],
+            "scale": scale,
+            "base_versions": [u.base_version for u in updates],
+            "replica": self.replica,
+            "epoch": e,
+            "committed_at": time.time(),
+            "useful_seconds": useful,
+            "delta": delta_name,
+            "value": value_name,
+            "checksum": codecs.checksum(self.theta.tobytes()),
+        }
+        status, now_version = await self.store.commit(
+            Commit(
+                fragment=p,
+                replica=self.replica,
+                epoch=e,
+                expected_version=self.version,
+                value=value_name,
+                state=state_names,
+                delta=delta_name,
+                merged=[(u.learner, u.incarnation, u.seq) for u in updates],
+                useful_seconds=useful,
+                tokens_merged=sum(u.c_tokens for u in updates) / max(1, self.fragments),
+                stale_folded=sum(1 for s in staleness if s > 0),
+                log_entry=entry,
+            )
+        )
+        if status != "committed":
+            # The in-memory state moved past what Redis holds: this owner is done with it.
+            self.lost = True
+            tm.MERGE_ABORTS.inc()
+            log.warning("merge_aborted", fragment=p, status=status, version=now_version)
+            await self.tensors.delete([value_name, delta_name, *state_names])
+            raise OwnerLost(f"fragment {p}: commit refused ({status})")
+        self.version = version
+        seconds = time.monotonic() - started
+        self.t_sync_s = (
+            seconds if not self.t_sync_s else T_SYNC_DECAY * self.t_sync_s + 0.2 * seconds
+        )
+        self.opened_at, self.quorum_at, self.deadline = time.monotonic(), None, None
+        for s in staleness:
+            tm.STALENESS.observe(s)
+        tm.QUORUM_SIZE.observe(len(learners))
+        tm.MERGES.inc()
+        tm.MERGE_SECONDS.observe(seconds)
+        tm.FRAGMENT_VERSION.labels(fragment=str(p)).set(version)
+        self.tape.write("merged", **entry)  # type: ignore[arg-type]
+        log.info(
+            "merged",
+            fragment=p,
+            version=version,
+            contributors=len(updates),
+            seconds=round(seconds, 4),
+        )
+        await self._collect_garbage(version)
+
+    async def _collect_garbage(self, version: int) -> None:
+        """Delete objects of versions older than the ones kept."""
+        if version % KEEP_VERSIONS:
+            return
+        prefix = f"{self.store.job}/fragment-{self.fragment:05d}/"
+        try:
+            old = [
+                n
+                for n in await self.tensors.names(prefix)
+                if version_of(n) < version - KEEP_VERSIONS
+            ]
+            await self.tensors.delete(old)
+        except Exception as err:  # garbage is collected next time
+            log.warning("gc_failed", fragment=self.fragment, error=str(err))
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=False, cancel_futures=True)
+
+
+def _pack_delta(segments: list[tuple[int, int, bytes]]) -> bytes:
+    """A delta object: per segment three little-endian uint64 (offset, count, byte length),
+    then its bytes."""
+    parts = []
+    for offset, count, data in segments:
+        parts.append(np.array([offset, count, len(data)], "<u8").tobytes())
+        parts.append(data)
+    return b"".join(parts)
+
+
+def unpack_delta(blob: bytes) -> list[codecs.Segment]:
+    out, at = [], 0
+    while at < len(blob):
+        offset, count, length = (int(x) for x in np.frombuffer(blob, "<u8", 3, at))
+        at += 24
+        out.append(codecs.Segment(offset, count, blob[at : at + length]))
+        at += length
+    return out

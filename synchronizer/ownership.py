@@ -1,0 +1,156 @@
+"""Which replica owns which fragment: rendezvous hashing over the live replicas, leases with
+fencing epochs in Redis, rebalanced as replicas come and go.
+
+Each replica registers itself (with the address learners reach it at) every second. A
+fragment's rightful owner is the live replica with the highest hash of (replica, fragment):
+when a replica dies its fragments spread over the others, and when one comes back only its
+own fragments move back. The rightful owner takes a fragment once its lease is free (the last
+owner released it, or its lease lapsed); each take raises the fragment's epoch, which voids
+what the last owner had received but not committed (learners resend it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+
+import structlog
+import xxhash
+
+from services.config import JobConfig
+from services.layout import FragmentLayout
+from services.tape import Tape
+from synchronizer.owner import FragmentOwner
+from synchronizer.store import ControlStore
+from synchronizer.tensors import TensorStore
+
+log = structlog.get_logger("atoll.synchronizer.ownership")
+REPLICA_TTL_S = 4.0
+OWNER_TTL_S = 4.0
+TICK_S = 0.5
+
+
+def rightful_owner(fragment: int, replicas: Sequence[str]) -> str | None:
+    """Rendezvous (highest random weight) hashing: the replica owning `fragment`."""
+    if not replicas:
+        return None
+    return max(replicas, key=lambda r: (xxhash.xxh3_64_intdigest(f"{r}\x00{fragment}"), r))
+
+
+class Ownership:
+    """This replica's fragments: takes, renews and gives them back; runs their rounds."""
+
+    def __init__(
+        self,
+        *,
+        replica: str,
+        address: str,
+        config: JobConfig,
+        store: ControlStore,
+        tensors: TensorStore,
+        tape: Tape,
+        layout: Callable[[], FragmentLayout | None],
+    ) -> None:
+        self.replica, self.address = replica, address
+        self.config, self.store, self.tensors, self.tape = config, store, tensors, tape
+        self._layout = layout
+        self.owned: dict[int, FragmentOwner] = {}
+        self.replicas: dict[str, str] = {}  # live replica -> address
+        self._rounds: dict[int, asyncio.Task[None]] = {}
+        self._stopping = False
+
+    async def run_forever(self) -> None:
+        while not self._stopping:
+            try:
+                await self.tick()
+            except Exception as err:  # Redis away: leases lapse by themselves; try again
+                log.warning("ownership_tick_failed", error=str(err))
+            await asyncio.sleep(TICK_S)
+
+    async def tick(self) -> None:
+        self.replicas = await self.store.register(self.replica, self.address, REPLICA_TTL_S)
+        layout = self._layout()
+        if layout is None:
+            return
+        live = sorted(self.replicas)
+        for p in range(layout.num_fragments):
+            mine = rightful_owner(p, live) == self.replica
+            owner = self.owned.get(p)
+            if owner is not None:
+                if owner.lost:
+                    await self._drop(p, "lost")
+                    continue
+                status, _ = await self.store.own(
+                    "renew" if mine else "release", p, self.replica, owner.epoch, OWNER_TTL_S
+                )
+                if status != "owned" or not mine:
+                    await self._drop(p, "lost" if status != "owned" else "rebalanced")
+            elif mine:
+                status, epoch = await self.store.own("acquire", p, self.replica, 0, OWNER_TTL_S)
+                if status == "owned":
+                    await self._take(p, epoch, layout)
+
+    async def _take(self, p: int, epoch: int, layout: FragmentLayout) -> None:
+        spec = layout.fragments[p]
+        owner = FragmentOwner(
+            fragment=p,
+            size=spec.num_elements,
+            segments=[leaf.size for leaf in spec.leaves],
+            epoch=epoch,
+            replica=self.replica,
+            config=self.config,
+            store=self.store,
+            tensors=self.tensors,
+            tape=self.tape,
+            fragments=layout.num_fragments,
+        )
+        try:
+            await owner.load(await self.store.pointer(p))
+        except Exception:
+            owner.close()
+            await self.store.own("release", p, self.replica, epoch)
+            raise
+        self.owned[p] = owner
+        self._rounds[p] = asyncio.create_task(self._round_loop(owner))
+        self.tape.write("owned", fragment=p, epoch=epoch)
+        log.info("fragment_owned", fragment=p, epoch=epoch, version=owner.version)
+
+    async def _drop(self, p: int, why: str) -> None:
+        owner = self.owned.pop(p)
+        owner.lost = True
+        task = self._rounds.pop(p, None)
+        if task is not None:
+            task.cancel()
+        owner.close()
+        log.info("fragment_released", fragment=p, epoch=owner.epoch, why=why)
+
+    async def _round_loop(self, owner: FragmentOwner) -> None:
+        """Evaluate the fragment's round whenever an update arrives, and at least every
+        EVALUATE_EVERY_S (grace windows end, learners die or finish)."""
+        from synchronizer.owner import EVALUATE_EVERY_S, OwnerLost
+
+        while not owner.lost:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(owner.wake.wait(), EVALUATE_EVERY_S)
+            owner.wake.clear()
+            try:
+                await owner.evaluate(await self.store.live())
+            except OwnerLost:
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # Redis or the tensor store away: try again
+                log.warning("round_failed", fragment=owner.fragment, error=str(err))
+                await asyncio.sleep(EVALUATE_EVERY_S)
+
+    async def stop(self) -> None:
+        """Give every fragment back, so another replica takes them at once."""
+        self._stopping = True
+        for p in list(self.owned):
+            epoch = self.owned[p].epoch
+            await self._drop(p, "stopping")
+            with contextlib.suppress(Exception):
+                await self.store.own("release", p, self.replica, epoch)
+        with contextlib.suppress(Exception):
+            await self.store.register(self.replica, self.address, 0)

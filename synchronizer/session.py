@@ -1,0 +1,505 @@
+"""Learners' control sessions: hello, heartbeats, the owner map, commit notices, new global
+fragments, and the state fetch for (re)joining.
+
+Any replica serves any learner's session. It watches the fragments' versions in Redis and
+brings every learner it serves up to date from the tensor store (encoded deltas, or whole
+values for a learner too far behind), and tells each learner which of its updates a commit
+merged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from services import codec as codecs
+from services import telemetry as tm
+from services.config import SynchronizerSettings
+from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
+from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
+from services.tape import Tape
+from synchronizer.owner import unpack_delta
+from synchronizer.ownership import Ownership
+from synchronizer.store import ControlStore
+from synchronizer.tensors import TensorStore
+
+log = structlog.get_logger("atoll.synchronizer.session")
+
+OUTBOX_LIMIT = 4096  # messages queued for one learner before it counts as too slow
+MAX_DELTA_CHAIN = 8  # deltas sent to catch a learner up before a whole value is cheaper
+WATCH_S = 0.05  # how often the fragments' versions and owners are read
+
+
+def spec_to_json(specs: list[LeafSpec]) -> str:
+    """Canonical JSON of a parameter spec (sorted by leaf name)."""
+    ordered = sorted(specs, key=lambda s: s.name)
+    return json.dumps([[s.name, list(s.shape), s.dtype] for s in ordered])
+
+
+def spec_from_json(text: str) -> list[LeafSpec]:
+    return [LeafSpec(name, tuple(shape), dtype) for name, shape, dtype in json.loads(text)]
+
+
+def specs_from_proto(params: list[fragment_pb2.TensorSpec]) -> list[LeafSpec]:
+    return [LeafSpec(p.name, tuple(int(d) for d in p.shape), p.dtype or "float32") for p in params]
+
+
+def specs_to_proto(specs: list[LeafSpec]) -> list[fragment_pb2.TensorSpec]:
+    return [fragment_pb2.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in specs]
+
+
+class SessionClosed(Exception):
+    """Ends a session with a status the learner can act on."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+@dataclass
+class Connection:
+    learner: str
+    incarnation: str
+    outbox: asyncio.Queue[session_pb2.SynchronizerMessage | SessionClosed | None] = field(
+        default_factory=asyncio.Queue
+    )
+    sent_versions: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.learner}/{self.incarnation}/"
+
+    def send(self, message: session_pb2.SynchronizerMessage) -> None:
+        if self.outbox.qsize() > OUTBOX_LIMIT:
+            self.outbox.put_nowait(
+                SessionClosed(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "learner reads fragments too slowly; reconnect and fetch the state",
+                )
+            )
+            return
+        self.outbox.put_nowait(message)
+
+
+def value_chunks(
+    fragment: int, version: int, values: bytes, chunk_bytes: int
+) -> list[fragment_pb2.GlobalFragmentChunk]:
+    """A whole float32 value as fp32 segments."""
+    n = len(values) // 4
+    step = max(1, chunk_bytes // 4)
+    count = max(1, -(-n // step))
+    header = fragment_pb2.PayloadHeader(
+        fragment=fragment,
+        codec=fragment_pb2.CODEC_FP32,
+        num_elements=n,
+        checksum=codecs.checksum(values),
+        chunk_count=count,
+        total_bytes=len(values),
+    )
+    return [
+        fragment_pb2.GlobalFragmentChunk(
+            header=header,
+            version=version,
+            chunk_index=i,
+            data=values[4 * start : 4 * min(n, start + step)],
+            value_offset=start,
+            value_count=min(n, start + step) - start,
+        )
+        for i, start in enumerate(range(0, max(1, n), step))
+    ]
+
+
+def delta_chunks(
+    fragment: int, version: int, blob: bytes, codec: codecs.Codec, block_size: int, n: int
+) -> list[fragment_pb2.GlobalFragmentChunk]:
+    segments = unpack_delta(blob)
+    header = fragment_pb2.PayloadHeader(
+        fragment=fragment,
+        codec=codec.wire,  # type: ignore[arg-type]
+        block_size=block_size,
+        num_elements=n,
+        checksum=codecs.checksum(b"".join(s.data for s in segments)),
+        chunk_count=len(segments),
+        total_bytes=sum(len(s.data) for s in segments),
+    )
+    return [
+        fragment_pb2.GlobalFragmentChunk(
+            header=header,
+            version=version,
+            chunk_index=i,
+            data=s.data,
+            delta=True,
+            base_version=version - 1,
+            value_offset=s.offset,
+            value_count=s.count,
+        )
+        for i, s in enumerate(segments)
+    ]
+
+
+class Sessions:
+    def __init__(
+        self,
+        settings: SynchronizerSettings,
+        store: ControlStore,
+        tensors: TensorStore,
+        ownership: Ownership,
+        tape: Tape,
+        layout: Callable[[], FragmentLayout | None],
+        adopt_spec: Callable[[str], None],
+    ) -> None:
+        self.settings, self.store, self.tensors = settings, store, tensors
+        self.ownership, self.tape = ownership, tape
+        self._layout, self._adopt_spec = layout, adopt_spec
+        self.connections: dict[str, Connection] = {}
+        self.versions: list[int | None] = []
+        self.owner_map: list[session_pb2.FragmentOwner] = []
+
+    # --- the control stream ---------------------------------------------------------------
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[session_pb2.LearnerMessage],
+        context: grpc.aio.ServicerContext[
+            session_pb2.LearnerMessage, session_pb2.SynchronizerMessage
+        ],
+    ) -> AsyncIterator[session_pb2.SynchronizerMessage]:
+        try:
+            first = await anext(request_iterator)
+        except StopAsyncIteration:
+            return
+        try:
+            conn, welcome = await self._hello(first)
+        except SessionClosed as closed:
+            await context.abort(closed.code, closed.details)
+            return
+        key = conn.prefix
+        previous = self.connections.pop(key, None)
+        if previous is not None:
+            previous.outbox.put_nowait(None)
+        self.connections[key] = conn
+        tm.LEARNERS_CONNECTED.set(len(self.connections))
+        reader = asyncio.create_task(self._read(conn, request_iterator))
+        log.info("learner_joined", learner=conn.learner, incarnation=conn.incarnation)
+        try:
+            yield welcome
+            while True:
+                item = await conn.outbox.get()
+                if item is None:
+                    break
+                if isinstance(item, SessionClosed):
+                    await context.abort(item.code, item.details)
+                    return
+                yield item
+        finally:
+            reader.cancel()
+            if self.connections.get(key) is conn:
+                del self.connections[key]
+            tm.LEARNERS_CONNECTED.set(len(self.connections))
+            log.info("learner_left", learner=conn.learner, incarnation=conn.incarnation)
+
+    async def _hello(
+        self, message: session_pb2.LearnerMessage
+    ) -> tuple[Connection, session_pb2.SynchronizerMessage]:
+        if message.WhichOneof("kind") != "hello":
+            raise SessionClosed(
+                grpc.StatusCode.FAILED_PRECONDITION, "a session must start with a hello message"
+            )
+        hello = message.hello
+        cfg = self.settings
+        if hello.job != cfg.job:
+            raise SessionClosed(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this synchronizer serves job {cfg.job!r}, not {hello.job!r}; check --job",
+            )
+        if cfg.token is not None and hello.token != cfg.token:
+            raise SessionClosed(
+                grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token; pass the job's --token"
+            )
+        if not hello.learner_id or not hello.incarnation:
+            raise SessionClosed(
+                grpc.StatusCode.INVALID_ARGUMENT, "hello needs a learner_id and an incarnation"
+            )
+        try:
+            specs = specs_from_proto(list(hello.params))
+            fragment_layout(specs, cfg.fragments)
+        except LayoutError as err:
+            raise SessionClosed(
+                grpc.StatusCode.INVALID_ARGUMENT, f"bad model spec: {err}"
+            ) from None
+        spec_json = spec_to_json(specs)
+        initialized = await self.store.is_initialized(cfg.fragments)
+        joined = await self.store.hello(
+            spec_json, hello.learner_id, hello.incarnation, cfg.lease_ttl_s, hello.step, initialized
+        )
+        if not joined.ok:
+            raise SessionClosed(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this learner's model differs from the job's (leaf names or shapes); start it "
+                "with the same model flags as the others, or use a new --job",
+            )
+        if joined.previous and joined.previous != hello.incarnation:
+            log.info("learner_new_incarnation", learner=hello.learner_id, previous=joined.previous)
+        self._adopt_spec(spec_json)
+        layout = self._layout()
+        assert layout is not None
+        versions = [v or 0 for v in await self.store.versions(layout.num_fragments)]
+        # A learner holds at least these versions once it has joined (it fetches whatever
+        # moved since): the next commit reaches it as a delta, not as a whole copy.
+        conn = Connection(
+            hello.learner_id, hello.incarnation, sent_versions=dict(enumerate(versions))
+        )
+        welcome = session_pb2.Welcome(
+            config=session_pb2.JobConfig(
+                job=cfg.job,
+                mode=cfg.mode,
+                fragments=cfg.fragments,
+                inner_steps=cfg.inner_steps,
+                overlap_steps=cfg.overlap_steps,
+                codec=codecs.by_name(cfg.codec).wire,  # type: ignore[arg-type]
+                block_size=cfg.block_size,
+                merge_alpha=cfg.merge_alpha,
+                max_staleness=cfg.max_staleness,
+                max_chunk_bytes=cfg.max_chunk_bytes,
+                job_steps=cfg.job_steps,
+                keep_overlap_progress=cfg.keep_overlap_progress,
+            ),
+            params=specs_to_proto(spec_from_json(spec_json)),
+            versions=versions,
+            initialized=initialized,
+            synchronizer_id=cfg.replica_id,
+            initializer=joined.initializer,
+            owners=await self._owners(layout.num_fragments),
+        )
+        return conn, session_pb2.SynchronizerMessage(welcome=welcome)
+
+    async def _read(
+        self, conn: Connection, request_iterator: AsyncIterator[session_pb2.LearnerMessage]
+    ) -> None:
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "heartbeat":
+                    await self._heartbeat(conn, message.heartbeat)
+                else:
+                    conn.outbox.put_nowait(
+                        SessionClosed(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"unexpected {kind} message after hello; updates go to the "
+                            "fragment's owner on an Ingest call",
+                        )
+                    )
+                    return
+            await self.store.leave(conn.learner, conn.incarnation)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        except Exception as err:  # a broken store must not kill the replica
+            log.warning("session_error", learner=conn.learner, error=str(err))
+        finally:
+            conn.outbox.put_nowait(None)
+
+    async def _heartbeat(self, conn: Connection, hb: session_pb2.Heartbeat) -> None:
+        steps_done = await self.store.heartbeat(
+            conn.learner,
+            conn.incarnation,
+            self.settings.lease_ttl_s,
+            step=float(hb.step),
+            ema=hb.step_time_ema_s if math.isfinite(hb.step_time_ema_s) else 0.0,
+            tokens_s=hb.tokens_per_s if math.isfinite(hb.tokens_per_s) else 0.0,
+            loss=hb.loss if math.isfinite(hb.loss) else -1.0,
+            eval_loss=hb.eval_loss if math.isfinite(hb.eval_loss) else -1.0,
+            done=1.0 if hb.done else 0.0,
+            last_sent=1.0 if hb.last_sent or hb.done else 0.0,
+            still_to_send=list(hb.still_to_send) if hb.finishing and not hb.last_sent else None,
+        )
+        if steps_done is None:
+            conn.outbox.put_nowait(
+                SessionClosed(
+                    grpc.StatusCode.ABORTED,
+                    "a newer incarnation of this learner id has joined; this one must stop",
+                )
+            )
+        elif self.settings.job_steps:
+            budget = self.settings.job_steps
+            status = session_pb2.JobStatus(
+                steps_done=steps_done, job_steps=budget, finish=steps_done >= budget
+            )
+            conn.send(session_pb2.SynchronizerMessage(status=status))
+
+    # --- the owner map ----------------------------------------------------------------------
+    async def _owners(self, fragments: int) -> list[session_pb2.FragmentOwner]:
+        owners = await self.store.owners(fragments)
+        addresses = self.ownership.replicas or await self.store.register(
+            self.ownership.replica, self.ownership.address, 4.0
+        )
+        out = []
+        for p, owner in enumerate(owners):
+            if owner is None or owner[0] not in addresses:
+                continue
+            out.append(
+                session_pb2.FragmentOwner(
+                    fragment=p, replica=owner[0], address=addresses[owner[0]], epoch=owner[1]
+                )
+            )
+        return out
+
+    # --- keeping learners up to date ------------------------------------------------------
+    async def watch_forever(self) -> None:
+        """Follow the fragments' versions and owners; tell the learners this replica serves."""
+        while True:
+            try:
+                await self.watch()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # Redis or the tensor store away: keep trying
+                log.debug("watch_interrupted", error=str(err))
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(WATCH_S)
+
+    async def watch(self) -> None:
+        layout = self._layout()
+        if layout is None:
+            spec = await self.store.spec()
+            if spec is None:
+                return
+            self._adopt_spec(spec)
+            layout = self._layout()
+            assert layout is not None
+        owners = await self._owners(layout.num_fragments)
+        if owners != self.owner_map:
+            self.owner_map = owners
+            message = session_pb2.SynchronizerMessage(owners=session_pb2.OwnerMap(owners=owners))
+            for conn in list(self.connections.values()):
+                conn.send(message)
+        versions = await self.store.versions(layout.num_fragments)
+        if not self.versions:
+            self.versions = list(versions)
+        for p, version in enumerate(versions):
+            if version is None:
+                continue
+            tm.FRAGMENT_VERSION.labels(fragment=str(p)).set(version)
+            before = self.versions[p] or 0  # none yet: every version from 1 is new
+            if version > before:
+                await self._notify_commits(p, version - before)
+            self.versions[p] = version
+            await self._push(p, version, layout)
+
+    async def _notify_commits(self, fragment: int, count: int) -> None:
+        """COMMITTED acks to the learners whose updates the new versions merged."""
+        if not self.connections:
+            return
+        for entry in await self.store.log_tail(fragment, count):
+            for uid in entry["uids"]:
+                prefix, seq = uid.rsplit("/", 1)
+                conn = self.connections.get(prefix + "/")
+                if conn is not None:
+                    conn.send(
+                        session_pb2.SynchronizerMessage(
+                            ack=session_pb2.Ack(
+                                seq=int(seq),
+                                fragment=fragment,
+                                status=session_pb2.ACK_STATUS_COMMITTED,
+                                version=int(entry["version"]),
+                            )
+                        )
+                    )
+
+    async def _push(self, fragment: int, version: int, layout: FragmentLayout) -> None:
+        """Bring every learner this replica serves to the fragment's newest version: the
+        encoded deltas since the version it was last sent, or the whole value."""
+        full: list[fragment_pb2.GlobalFragmentChunk] = []  # read only if someone needs it
+        deltas: dict[int, list[fragment_pb2.GlobalFragmentChunk] | None] = {}
+        for conn in list(self.connections.values()):
+            last = conn.sent_versions.get(fragment, -1)
+            if last >= version:
+                continue
+            chunks: list[fragment_pb2.GlobalFragmentChunk] = []
+            if last >= 0 and version - last <= MAX_DELTA_CHAIN:
+                entries = {
+                    int(e["version"]): e
+                    for e in await self.store.log_tail(fragment, version - last)
+                }
+                for v in range(last + 1, version + 1):
+                    if v not in deltas:
+                        deltas[v] = await self._delta(fragment, v, entries.get(v), layout)
+                    step = deltas[v]
+                    if step is None:  # no longer kept: the whole value instead
+                        chunks = []
+                        break
+                    chunks += step
+            if not chunks:
+                full = full or await self.fragment_chunks(fragment)
+                chunks = full
+            conn.sent_versions[fragment] = max(version, chunks[0].version)
+            for chunk in chunks:
+                conn.send(session_pb2.SynchronizerMessage(fragment=chunk))
+
+    async def _delta(
+        self, fragment: int, version: int, entry: dict[str, Any] | None, layout: FragmentLayout
+    ) -> list[fragment_pb2.GlobalFragmentChunk] | None:
+        if entry is None or not entry.get("delta"):
+            return None
+        try:
+            blob = await self.tensors.get(str(entry["delta"]))
+        except Exception:
+            return None
+        codec = codecs.by_name(self.settings.downlink_codec)
+        n = layout.fragments[fragment].num_elements
+        return delta_chunks(fragment, version, blob, codec, self.settings.block_size, n)
+
+    async def fragment_chunks(
+        self, fragment: int, held: int | None = None
+    ) -> list[fragment_pb2.GlobalFragmentChunk]:
+        """The fragment's whole current value, chunked; or, when its checksum is `held` (the
+        learner already has it), one chunk without data that says so."""
+        pointer = await self.store.pointer(fragment)
+        if pointer is None:
+            raise LookupError(f"fragment {fragment} has no global value yet")
+        values = await self.tensors.get(pointer.value)
+        chunks = value_chunks(fragment, pointer.version, values, self.settings.max_chunk_bytes)
+        if held is not None and chunks[0].header.checksum == held:
+            header = fragment_pb2.PayloadHeader()
+            header.CopyFrom(chunks[0].header)
+            header.chunk_count, header.total_bytes = 1, 0
+            return [
+                fragment_pb2.GlobalFragmentChunk(
+                    header=header, version=pointer.version, unchanged=True
+                )
+            ]
+        return chunks
+
+    async def FetchState(
+        self,
+        request: synchronizer_pb2.FetchStateRequest,
+        context: grpc.aio.ServicerContext[
+            synchronizer_pb2.FetchStateRequest, fragment_pb2.GlobalFragmentChunk
+        ],
+    ) -> AsyncIterator[fragment_pb2.GlobalFragmentChunk]:
+        if request.job != self.settings.job:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this synchronizer serves job {self.settings.job!r}, not {request.job!r}",
+            )
+        layout = self._layout()
+        if layout is None or not await self.store.is_initialized(layout.num_fragments):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the job has no global parameters yet; a learner must join first",
+            )
+        assert layout is not None
+        wanted = list(dict.fromkeys(request.fragments)) or list(range(layout.num_fragments))
+        bad = [p for p in wanted if p >= layout.num_fragments]
+        if bad:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"fragments {bad} do not exist; this job has 0..{layout.num_fragments - 1}",
+            )
+        for p in wanted:
+            for chunk in await self.fragment_chunks(p, request.held.get(p)):
+                yield chunk
