@@ -7,10 +7,8 @@ import re
 from pathlib import Path
 
 import yaml
-from prometheus_client import REGISTRY
 
-import learner.trainer  # noqa: F401  (registers the learner's metrics)
-import synchronizer.service  # noqa: F401  (registers the synchronizer's metrics)
+from services import telemetry
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ROOT / "helm" / "atoll" / "files"
@@ -25,10 +23,12 @@ SUFFIXES = {
 
 
 def exported() -> set[str]:
-    """Every series name atoll's registry can expose (labelled ones before any label is set)."""
+    """Every series name atoll's role registries can expose (labelled ones before any label
+    is set)."""
     names: set[str] = set()
-    for family in REGISTRY.collect():
-        names.update(family.name + s for s in SUFFIXES.get(family.type, ("",)))
+    for registry in telemetry.REGISTRIES.values():
+        for family in registry.collect():
+            names.update(family.name + s for s in SUFFIXES.get(family.type, ("",)))
     return names
 
 
