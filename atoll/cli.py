@@ -6,6 +6,7 @@ Every flag also reads from `ATOLL_<FLAG>` and from the TOML file named by `ATOLL
 from __future__ import annotations
 
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsConfigDict
@@ -75,7 +76,7 @@ class PlanCommand(PlanSettings):
 
 
 class Atoll(BaseSettings):
-    """atoll: resilient, low-bandwidth distributed training (Decoupled DiLoCo)."""
+    """atoll: resilient, low-bandwidth distributed training (Decoupled DiLoCo); --version."""
 
     model_config = SettingsConfigDict(
         cli_kebab_case=True, cli_prog_name="atoll", cli_implicit_flags=True
@@ -109,6 +110,13 @@ class Atoll(BaseSettings):
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    if args == ["--version"]:
+        try:
+            print(f"atoll {version('atoll')}")
+        except PackageNotFoundError:
+            print("atoll: no version: not installed (pip install -e .)", file=sys.stderr)
+            raise SystemExit(1) from None
+        return
     watch_parent()
     reuse_large_buffers()
     try:

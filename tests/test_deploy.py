@@ -1,16 +1,20 @@
-"""Dashboards, alert rules and the compose stack use only metrics atoll really exports."""
+"""Dashboards, alert rules and the compose stack use only metrics atoll really exports; the
+image's health check works."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import yaml
-from prometheus_client import REGISTRY
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-import learner.trainer  # noqa: F401  (registers the learner's metrics)
-import synchronizer.service  # noqa: F401  (registers the synchronizer's metrics)
+from services import telemetry
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ROOT / "helm" / "atoll" / "files"
@@ -25,10 +29,12 @@ SUFFIXES = {
 
 
 def exported() -> set[str]:
-    """Every series name atoll's registry can expose (labelled ones before any label is set)."""
+    """Every series name atoll's role registries can expose (labelled ones before any label
+    is set)."""
     names: set[str] = set()
-    for family in REGISTRY.collect():
-        names.update(family.name + s for s in SUFFIXES.get(family.type, ("",)))
+    for registry in telemetry.REGISTRIES.values():
+        for family in registry.collect():
+            names.update(family.name + s for s in SUFFIXES.get(family.type, ("",)))
     return names
 
 
@@ -78,3 +84,38 @@ def test_the_compose_stack_binds_loopback_only_and_mounts_what_exists() -> None:
                 assert (ROOT / "deploy" / source).resolve().exists(), (name, source)
     text = (ROOT / "deploy" / "compose.yaml").read_text()
     assert "0.0.0.0" not in text
+
+
+def test_the_image_healthcheck_asks_a_synchronizer_and_passes_a_learner(tmp_path: Path) -> None:
+    """The Dockerfile's HEALTHCHECK script, run against a health server, with the
+    container's first process (/proc/1/cmdline) replaced by a file."""
+    line = next(
+        x
+        for x in (ROOT / "deploy" / "Dockerfile").read_text().splitlines()
+        if x.startswith("HEALTHCHECK")
+    )
+    script = json.loads(line[line.index(" CMD ") + 5 :])[2]
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    def check(*argv: str) -> int:
+        cmdline = tmp_path / "cmdline"
+        cmdline.write_bytes("\0".join(["/opt/atoll/bin/python", "atoll", *argv, ""]).encode())
+        run = script.replace("/proc/1/cmdline", str(cmdline))
+        return subprocess.run(
+            [sys.executable, "-c", run], capture_output=True, timeout=30
+        ).returncode
+
+    try:
+        assert check("learner", "--id", "a") == 0
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert check("synchronizer", f"--listen=0.0.0.0:{port}") == 0
+        assert check("synchronizer", "--listen", f"127.0.0.1:{port}") == 0
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert check("synchronizer", f"--listen=0.0.0.0:{port}") == 1
+    finally:
+        server.stop(0)
+    assert check("synchronizer", f"--listen=127.0.0.1:{port}") == 1

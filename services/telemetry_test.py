@@ -1,0 +1,37 @@
+import urllib.request
+
+from prometheus_client import CollectorRegistry
+
+from services import telemetry as tm
+
+
+def _names(registry: CollectorRegistry) -> set[str]:
+    return {family.name for family in registry.collect()}
+
+
+def test_each_role_exports_its_own_metrics() -> None:
+    synchronizer, learner = _names(tm.SYNCHRONIZER), _names(tm.LEARNER)
+    assert "atoll_redis_up" in synchronizer
+    assert "atoll_redis_up" not in learner
+    assert "atoll_learner_rejoins" in learner  # a counter family is named without _total
+    assert not {n for n in synchronizer & learner if n.startswith("atoll_")}
+    assert not {n for n in _names(tm.TOOL) if n.startswith("atoll_")}
+
+
+def test_every_role_has_the_process_start_time() -> None:
+    """The flapping alert counts a learner's restarts with it."""
+    for registry in tm.REGISTRIES.values():
+        assert "process_start_time_seconds" in _names(registry)
+
+
+def test_serve_metrics_serves_one_role() -> None:
+    server, _ = tm.serve_metrics("learner", "127.0.0.1:0")
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "atoll_learner_steps_total" in text
+    assert "atoll_redis_up" not in text
+    assert "atoll_merges_total" not in text
