@@ -568,27 +568,34 @@ class Learner:
         return {"job": self.s.job, "learner": self.s.id, "fragments": self.P, "inner_steps": self.H}
 
     def _checkpoint(self) -> None:
-        """Copy the state to the host now (between two steps); the encoder thread adds what
-        it owns (residuals, the fragment each update took) after the sends queued before,
-        and writes the file."""
+        """Take the state between two steps without waiting for it: a device-side copy
+        (the next step donates the parameters' and optimizer state's buffers) whose copies
+        to the host start now and run beside the next steps. The encoder thread waits for
+        them, adds what it owns (residuals, the fragment each update took) after the sends
+        queued before, and writes the file."""
         arrays: dict[str, np.ndarray] = {}
         fragments = self.outer.fragments
         records = [ckpt.fragment_record(p, f, arrays) for p, f in enumerate(fragments)]
-        snap = ckpt.Snapshot(
-            meta={
-                **self._checkpoint_key(),
-                "step": self.step,
-                "tokens": self.tokens,
-                "position": self.w.batches.position,
-            },
-            params={k: np.asarray(v) for k, v in jax.device_get(dict(self.params)).items()},
-            opt_leaves=[np.asarray(x) for x in jax.device_get(jax.tree.leaves(self.opt_state))],
-            fragments=records,
-            arrays=arrays,
-        )
+        meta = {
+            **self._checkpoint_key(),
+            "step": self.step,
+            "tokens": self.tokens,
+            "position": self.w.batches.position,
+        }
+        params, opt_state = _device_copy((dict(self.params), self.opt_state))
+        for leaf in jax.tree.leaves((params, opt_state)):
+            leaf.copy_to_host_async()
         slots = self._checkpoints()
 
         def finish_and_write() -> tuple[int, int, float]:
+            host_params, host_opt = jax.device_get((params, jax.tree.leaves(opt_state)))
+            snap = ckpt.Snapshot(
+                meta=meta,
+                params={k: np.asarray(v) for k, v in host_params.items()},
+                opt_leaves=[np.asarray(x) for x in host_opt],
+                fragments=records,
+                arrays=arrays,
+            )
             for p, f in enumerate(fragments):
                 in_flight = records[p]["awaiting_above"] is not None
                 ckpt.encoder_arrays(p, f, in_flight, snap.arrays)
@@ -662,6 +669,13 @@ class Learner:
         self._save_position()
         self.client.close()
         self.tape.close()
+
+
+@jax.jit
+def _device_copy(tree: Any) -> Any:
+    """Fresh device buffers holding the same values (never donated, so a background
+    thread may read them while the next steps run)."""
+    return jax.tree.map(jnp.copy, tree)
 
 
 def install_stop_handler(learner: Learner) -> None:
