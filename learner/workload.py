@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from learner.data import Batches, cached_corpus, eval_batches
-from learner.model import TransformerConfig, init_params, make_loss
+from learner.model import TransformerConfig, init_params, make_loss, resolve_dtype
 from learner.settings import data_shard
 
 if TYPE_CHECKING:
@@ -83,7 +83,13 @@ class Named:
 
 
 def builtin(settings: LearnerSettings) -> Workload:
-    cfg = TransformerConfig(settings.layers, settings.width, settings.heads, settings.context)
+    cfg = TransformerConfig(
+        settings.layers,
+        settings.width,
+        settings.heads,
+        settings.context,
+        compute_dtype=resolve_dtype(settings.dtype),
+    )
     shard = data_shard(settings)
     corpus = cached_corpus(settings.data, shard, settings.num_shards, settings.state_dir)
     batches = Batches(
