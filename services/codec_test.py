@@ -285,7 +285,8 @@ def _unpacked_reference(name: str, payload: bytes, n: int, block: int) -> np.nda
             exp = (codes & 7).astype(np.float32)
             magnitude = np.where(exp > 0, np.exp2(exp - 7), 0.0).astype(np.float32)
             levels = np.where(codes & 8, -magnitude, magnitude)
-    return (levels * np.repeat(scales, block)[:n]).astype(np.float32)
+    decoded: np.ndarray = (levels * np.repeat(scales, block)[:n]).astype(np.float32)
+    return decoded
 
 
 @pytest.mark.parametrize("name", ["int8", "int4-uniform", "e3m0", "int2", "sign"])
