@@ -70,7 +70,8 @@ _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 @dataclass
 class Snapshot:
-    """Host copies of everything a checkpoint holds, taken between two steps."""
+    """Host copies of everything a checkpoint holds: the writer thread makes them from
+    device-side copies taken between two steps."""
 
     meta: dict[str, Any]
     params: dict[str, np.ndarray]
