@@ -150,6 +150,13 @@ class CodecsBench(_Output):
     rounds: int = Field(50, ge=1, description="encodings summed with error feedback")
     block_size: int = Field(256, ge=1, description="values per block scale")
     seed: int = Field(0, description="random seed")
+    speed_values: int = Field(
+        25_000_000,
+        ge=0,
+        description="values in the vector each codec encodes and decodes for its speed (one "
+        "core); 0: no speed runs",
+    )
+    speed_repeats: int = Field(3, ge=1, description="speed runs per codec (the best is kept)")
 
     def cli_cmd(self) -> None:
         from bench.codecs import run

@@ -14,6 +14,11 @@ kill mid-write leaves that file's checksum wrong and the other file whole; overw
 place reuses the file's blocks and cached pages, where writing a new file and renaming it
 over the old one allocated and discarded a whole checkpoint's worth each second.
 
+The body is written array by array straight from the host copies, hashed as it goes, and
+read back into one buffer the arrays are views of: a checkpoint never exists twice in
+memory. Every write and read loops until all its bytes are through: Linux moves at most
+0x7ffff000 bytes in one call, and a single unchecked call once cut bodies at 2 GiB.
+
 On rejoining, every restored fragment moves onto the job's current value, keeping the
 progress made since its anchor (`FragmentState.carry_onto`), so the learner trains the
 current model and its next update is not stale. An update the dead incarnation had in
@@ -32,21 +37,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load, save
+import xxhash
 
 from learner.outer import FragmentState
-from services.codec import checksum
 
 FORMAT = 2
 MAGIC = b"atollck2"
 HEADER = struct.Struct("<8sQQQ")  # magic, sequence, body length, checksum of the body
+# safetensors' names of the dtypes a checkpoint may hold
+DTYPES: dict[str, np.dtype[Any]] = {
+    name: np.dtype(t)
+    for name, t in (
+        ("F64", np.float64),
+        ("F32", np.float32),
+        ("F16", np.float16),
+        ("BF16", ml_dtypes.bfloat16),
+        ("I64", np.int64),
+        ("I32", np.int32),
+        ("I16", np.int16),
+        ("I8", np.int8),
+        ("U64", np.uint64),
+        ("U32", np.uint32),
+        ("U16", np.uint16),
+        ("U8", np.uint8),
+        ("BOOL", np.bool_),
+    )
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclass
 class Snapshot:
-    """Host copies of everything a checkpoint holds, taken between two steps."""
+    """Host copies of everything a checkpoint holds: the writer thread makes them from
+    device-side copies taken between two steps."""
 
     meta: dict[str, Any]
     params: dict[str, np.ndarray]
@@ -116,7 +141,7 @@ class Slots:
 
     def read(self) -> Loaded | None:
         """The newest whole checkpoint, or None if there is none."""
-        newest: tuple[int, bytes] | None = None
+        newest: tuple[int, bytearray] | None = None
         for path in self.paths:
             found = _body(path)
             if found is not None and (newest is None or found[0] > newest[0]):
@@ -134,42 +159,121 @@ class Slots:
         arrays.update({f"param/{k}": v for k, v in snap.params.items()})
         arrays.update({f"opt/{i}": np.asarray(v) for i, v in enumerate(snap.opt_leaves)})
         meta = {**snap.meta, "format": FORMAT, "fragment_states": snap.fragments}
-        body = save(arrays, metadata={"atoll": json.dumps(meta)})
+        pieces = _safetensors(arrays, {"atoll": json.dumps(meta)})
         path = self.paths[sequence % 2]
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            os.pwrite(fd, body, HEADER.size)
-            if os.fstat(fd).st_size > HEADER.size + len(body):
-                os.ftruncate(fd, HEADER.size + len(body))
-            os.pwrite(fd, HEADER.pack(MAGIC, sequence, len(body), checksum(body)), 0)
+            digest = xxhash.xxh3_64()  # services.codec.checksum's hash, fed piece by piece
+            offset = HEADER.size
+            for piece in pieces:
+                digest.update(piece)
+                write_all(fd, piece, offset)
+                offset += len(piece)
+            length = offset - HEADER.size
+            if os.fstat(fd).st_size > offset:
+                os.ftruncate(fd, offset)
+            write_all(fd, HEADER.pack(MAGIC, sequence, length, digest.intdigest()), 0)
         finally:
             os.close(fd)
         self._sequence = sequence
 
 
-def _body(path: Path) -> tuple[int, bytes] | None:
+def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of `data` at `offset`: one call writes at most 0x7ffff000 bytes on Linux
+    (fewer on a full disk or a signal), so go on from where each call stopped."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        written = os.pwrite(fd, view[done:], offset + done)
+        if written <= 0:
+            raise OSError(f"wrote nothing at byte {offset + done} of a checkpoint")
+        done += written
+
+
+def read_into(fd: int, buffer: bytearray | memoryview, offset: int) -> bool:
+    """Fill `buffer` from `offset`; False if the file ends first."""
+    view = memoryview(buffer).cast("B")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            return False
+        done += got
+    return True
+
+
+def _safetensors(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> list[memoryview]:
+    """A safetensors file as pieces to write in turn: its header, then each array's bytes
+    (views of the arrays, not copies)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    pieces: list[memoryview] = []
+    end = 0
+    for name, value in arrays.items():
+        a = np.asarray(value)
+        if a.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"a checkpoint cannot hold {name!r} of dtype {a.dtype}")
+        header[name] = {
+            "dtype": _DTYPE_NAMES[a.dtype],
+            "shape": list(a.shape),
+            "data_offsets": [end, end + a.nbytes],
+        }
+        end += a.nbytes
+        pieces.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the arrays start 8-byte aligned
+    return [memoryview(len(text).to_bytes(8, "little") + text), *pieces]
+
+
+def _body(path: Path) -> tuple[int, bytearray] | None:
     """(sequence, body) of a whole checkpoint file; None if missing, torn or foreign."""
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
-    if len(data) < HEADER.size:
+    try:
+        head = bytearray(HEADER.size)
+        if not read_into(fd, head, 0):
+            return None
+        magic, sequence, length, expect = HEADER.unpack(head)
+        if magic != MAGIC or HEADER.size + length > os.fstat(fd).st_size:
+            return None
+        body = bytearray(length)
+        if not read_into(fd, body, HEADER.size):
+            return None
+    except OSError:
         return None
-    magic, sequence, length, expect = HEADER.unpack_from(data)
-    body = data[HEADER.size : HEADER.size + length]
-    if magic != MAGIC or len(body) != length or checksum(body) != expect:
+    finally:
+        os.close(fd)
+    if xxhash.xxh3_64_intdigest(body) != expect:
         return None
     return int(sequence), body
 
 
-def _parse(body: bytes) -> Loaded | None:
+def _arrays(body: bytearray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The metadata and arrays of a safetensors file; the arrays are views of `body`."""
+    header_len = int.from_bytes(body[:8], "little")
+    header = json.loads(bytes(body[8 : 8 + header_len]))
+    start = 8 + header_len
+    arrays = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = DTYPES[entry["dtype"]]
+        shape = tuple(int(d) for d in entry["shape"])
+        begin, end = (int(x) for x in entry["data_offsets"])
+        count = int(np.prod(shape, dtype=np.int64))
+        if end - begin != count * dtype.itemsize or start + end > len(body):
+            raise ValueError(f"{name!r}: its offsets disagree with its shape")
+        arrays[name] = np.frombuffer(body, dtype, count, start + begin).reshape(shape)
+    return dict(header.get("__metadata__", {})), arrays
+
+
+def _parse(body: bytearray) -> Loaded | None:
     try:
-        arrays = load(body)
-        header_len = int.from_bytes(body[:8], "little")
-        header = json.loads(body[8 : 8 + header_len])
-        meta = json.loads(header["__metadata__"]["atoll"])
-    except (SafetensorError, ValueError, KeyError):
+        metadata, arrays = _arrays(body)
+        meta = json.loads(metadata["atoll"])
+    except (ValueError, KeyError, TypeError):
         return None
     if meta.get("format") != FORMAT:
         return None
@@ -178,7 +282,9 @@ def _parse(body: bytes) -> Loaded | None:
         ((int(k.removeprefix("opt/")), v) for k, v in arrays.items() if k.startswith("opt/")),
         key=lambda kv: kv[0],
     )
-    rest = {k: v for k, v in arrays.items() if k.startswith("frag")}
+    # Copies: the fragments' arrays live on in the learner, and a view would keep the
+    # whole body alive with them.
+    rest = {k: v.copy() for k, v in arrays.items() if k.startswith("frag")}
     return Loaded(meta, params, [v for _, v in opt], rest)
 
 

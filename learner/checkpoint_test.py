@@ -98,3 +98,43 @@ def test_the_newest_whole_checkpoint_wins_and_a_torn_one_is_skipped(tmp_path: Pa
     loaded = ckpt.Slots(stem).read()
     assert loaded is not None
     assert loaded.meta["step"] == 4
+
+
+def test_the_body_is_a_safetensors_file(tmp_path: Path) -> None:
+    from safetensors.numpy import load
+
+    ckpt.Slots(tmp_path / "l0.checkpoint").write(_snapshot(5))
+    path = tmp_path / "l0.checkpoint.1"
+    body = path.read_bytes()[ckpt.HEADER.size :]
+    arrays = load(body)
+    assert arrays["param/w"].tolist() == [5.0, 5.0, 5.0]
+    assert arrays["opt/0"].shape == ()
+
+
+def test_a_checkpoint_over_2_gib_round_trips(tmp_path: Path) -> None:
+    """One write call moves at most 0x7ffff000 bytes on Linux: the body must not be cut."""
+    big = np.empty(550_000_000, np.float32)  # 2.2 GB
+    big.fill(1.5)
+    big[-1] = 7.0
+    snap = ckpt.Snapshot(
+        meta={"job": "j", "step": 1},
+        params={"w": big},
+        opt_leaves=[np.asarray(1, np.int32)],
+        fragments=[],
+        arrays={},
+    )
+    stem = tmp_path / "l0.checkpoint"
+    try:
+        ckpt.Slots(stem).write(snap)
+        del snap, big
+        assert (stem.with_name("l0.checkpoint.1")).stat().st_size > 0x7FFFF000
+        loaded = ckpt.Slots(stem).read()
+        assert loaded is not None
+        w = loaded.params["w"]
+        assert w.shape == (550_000_000,)
+        assert w[-1] == 7.0
+        assert w[0] == 1.5
+        assert np.count_nonzero(w == 1.5) == w.size - 1
+    finally:
+        for path in tmp_path.iterdir():
+            path.unlink()

@@ -40,15 +40,11 @@ def run(settings: LearnerSettings) -> None:
     limit_threads(settings.threads)
     if settings.compile_cache is not None:
         use_compile_cache(settings.compile_cache)
-    from prometheus_client import start_http_server
-
     from learner import workload
     from learner.trainer import Learner, install_stop_handler, write_report
-    from services.grpcopts import split_hostport
 
     if settings.metrics_listen:
-        host, port = split_hostport(settings.metrics_listen)
-        start_http_server(port, addr=host)
+        tm.serve_metrics("learner", settings.metrics_listen)
     learner = Learner(settings, workload.load(settings))
     install_stop_handler(learner)
     try:

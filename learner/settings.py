@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -23,6 +24,11 @@ class ModelConfig(BaseModel):
     width: int = Field(128, ge=8, le=16384, description="model width (d_model)")
     heads: int = Field(4, ge=1, le=256, description="attention heads (must divide width)")
     context: int = Field(128, ge=8, le=65536, description="context length in bytes")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="compute dtype of matmuls and attention; parameters and optimizer state "
+        "stay float32. auto: bfloat16 on GPU and TPU, float32 on CPU",
+    )
     batch_size: int = Field(16, ge=1, description="sequences per inner step (whole learner)")
     lr: float = Field(3e-3, gt=0.0, description="inner AdamW peak learning rate")
     warmup_steps: int = Field(20, ge=0, description="inner learning-rate warm-up steps")

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+import optax
 
 from learner.data import Batches, cached_corpus, eval_batches
-from learner.model import TransformerConfig, init_params, make_loss
+from learner.model import TransformerConfig, init_params, make_loss, resolve_dtype
 from learner.settings import data_shard
 
 if TYPE_CHECKING:
@@ -32,13 +33,17 @@ class Workload:
     """`params`: the initial parameters, or a function that makes them. A function is called
     only when the values are needed (the first learner of a job sends them; a learner joining
     a job still at its initial values compares them): a restarted learner that restores its
-    checkpoint and fetches the global model never spends time making values it overwrites."""
+    checkpoint and fetches the global model never spends time making values it overwrites.
+
+    `optimizer`: the inner optimizer (any optax transformation over the parameters); None:
+    AdamW with warm-up and cosine decay from the learner's flags (`learner.loop.adamw`)."""
 
     params: Any  # pytree of float32 arrays, or a function returning one
     loss_fn: Callable[[Any, jax.Array], jax.Array]
     batches: Batches
     eval_batches: list[np.ndarray]
     tokens_per_batch: int
+    optimizer: optax.GradientTransformation | None = None
 
     def initial(self) -> Any:
         """The initial parameters (made once, on first use)."""
@@ -83,7 +88,13 @@ class Named:
 
 
 def builtin(settings: LearnerSettings) -> Workload:
-    cfg = TransformerConfig(settings.layers, settings.width, settings.heads, settings.context)
+    cfg = TransformerConfig(
+        settings.layers,
+        settings.width,
+        settings.heads,
+        settings.context,
+        compute_dtype=resolve_dtype(settings.dtype),
+    )
     shard = data_shard(settings)
     corpus = cached_corpus(settings.data, shard, settings.num_shards, settings.state_dir)
     batches = Batches(

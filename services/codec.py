@@ -3,6 +3,10 @@
 Every codec is a pair of pure, vectorized numpy functions. Decoding checks the payload's
 length against what the header promises and refuses non-finite values, so a corrupt or
 hostile payload never reaches the merge.
+
+Decoders are the synchronizer's hot path (every update it merges), so they write each value
+once: a packed byte becomes its float32 values through a 256-row table, a chunk at a time,
+and each chunk is multiplied by its blocks' scales in place while it is still in cache.
 """
 
 from __future__ import annotations
@@ -70,6 +74,50 @@ def _scales_and_body(
     return scales, np.frombuffer(payload, np.uint8, offset=4 * nb)
 
 
+# Values decoded per chunk: small enough that a chunk stays in cache between its table
+# lookup and its scaling, large enough that the Python loop costs nothing.
+DECODE_CHUNK = 1 << 15
+
+
+def _scale_blocks(values: np.ndarray, scales: np.ndarray, block_size: int, out: np.ndarray) -> None:
+    """out = values times their block's scale; values start at a block's first value."""
+    full = values.size // block_size
+    head = full * block_size
+    np.multiply(
+        values[:head].reshape(full, block_size),
+        scales[:full, None],
+        out=out[:head].reshape(full, block_size),
+    )
+    if head < values.size:
+        np.multiply(values[head:], scales[full], out=out[head:])
+
+
+def _byte_table(levels: np.ndarray, per_byte: int) -> np.ndarray:
+    """(256, per_byte) float32: each byte's codes, lowest bits first, as their levels."""
+    bits = 8 // per_byte
+    codes = (np.arange(256)[:, None] >> (bits * np.arange(per_byte))) & ((1 << bits) - 1)
+    return np.ascontiguousarray(levels[codes], np.float32)
+
+
+def _decode_packed(
+    body: np.ndarray, table: np.ndarray, scales: np.ndarray, n: int, block_size: int
+) -> np.ndarray:
+    """n values packed table.shape[1] a byte: looked up, then scaled by their block's scale."""
+    per_byte = table.shape[1]
+    out = np.empty(body.size * per_byte, np.float32)
+    rows = per_byte * max(1, DECODE_CHUNK // (block_size * per_byte))
+    step = rows * block_size  # values a chunk: whole blocks and whole bytes
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        packed = body[start // per_byte : -(-stop // per_byte)]
+        chunk = out[start : start + packed.size * per_byte]
+        # mode="clip" (bytes are always in range): with "raise", take buffers its output.
+        np.take(table, packed, axis=0, out=chunk.reshape(-1, per_byte), mode="clip")
+        values = chunk[: stop - start]
+        _scale_blocks(values, scales[start // block_size :], block_size, values)
+    return out[:n]
+
+
 def _encode_fp32(x: np.ndarray, _: int) -> bytes:
     return np.ascontiguousarray(x, "<f4").tobytes()
 
@@ -97,14 +145,10 @@ def _encode_int8(x: np.ndarray, block_size: int) -> bytes:
 
 
 def _decode_int8(payload: bytes, n: int, block_size: int) -> np.ndarray:
-    _check_int8(payload, n, block_size)
-    nb = _blocks(n, block_size)
-    scales = np.frombuffer(payload, "<f4", count=nb)
-    q = np.frombuffer(payload, np.int8, offset=4 * nb, count=n)
-    out = np.zeros(nb * block_size, np.float32)
-    out[:n] = q
-    decoded: np.ndarray = (out.reshape(nb, block_size) * scales[:, None]).ravel()[:n]
-    return decoded
+    scales, body = _scales_and_body(payload, n, block_size, n, "int8")
+    out = np.empty(n, np.float32)
+    _scale_blocks(body.view(np.int8), scales, block_size, out)
+    return out
 
 
 def _padded_blocks(x: np.ndarray, block_size: int) -> np.ndarray:
@@ -153,15 +197,12 @@ def _encode_int4(x: np.ndarray, block_size: int) -> bytes:
     return scales.astype("<f4").tobytes() + _pack_nibbles((q + 8).astype(np.uint8))
 
 
+_INT4_TABLE = _byte_table(np.arange(16, dtype=np.float32) - 8.0, 2)
+
+
 def _decode_int4(payload: bytes, n: int, block_size: int) -> np.ndarray:
-    _check_nibbles(payload, n, block_size, "int4")
-    nb = _blocks(n, block_size)
-    scales = np.frombuffer(payload, "<f4", count=nb)
-    codes = _unpack_nibbles(np.frombuffer(payload, np.uint8, offset=4 * nb), n)
-    out = np.zeros(nb * block_size, np.float32)
-    out[:n] = codes.astype(np.float32) - 8.0
-    decoded: np.ndarray = (out.reshape(nb, block_size) * scales[:, None]).ravel()[:n]
-    return decoded
+    scales, body = _scales_and_body(payload, n, block_size, (n + 1) // 2, "int4")
+    return _decode_packed(body, _INT4_TABLE, scales, n, block_size)
 
 
 E3M0_MIN_EXP = -6  # magnitudes absmax * 2^e for e in -6..0, and zero
@@ -183,18 +224,20 @@ def _encode_e3m0(x: np.ndarray, block_size: int) -> bytes:
     return absmax.astype("<f4").tobytes() + _pack_nibbles(code.ravel()[: x.size])
 
 
-def _decode_e3m0(payload: bytes, n: int, block_size: int) -> np.ndarray:
-    _check_nibbles(payload, n, block_size, "e3m0")
-    nb = _blocks(n, block_size)
-    absmax = np.frombuffer(payload, "<f4", count=nb)
-    codes = _unpack_nibbles(np.frombuffer(payload, np.uint8, offset=4 * nb), n)
+def _e3m0_levels() -> np.ndarray:
+    """The 16 codes' values before the block's absmax: +-2^e, and +-0."""
+    codes = np.arange(16)
     exp_code = (codes & 7).astype(np.float32)
     magnitude = np.where(exp_code > 0, np.exp2(exp_code + (E3M0_MIN_EXP - 1)), 0.0)
-    signed = np.where(codes & 8, -magnitude, magnitude).astype(np.float32)
-    out = np.zeros(nb * block_size, np.float32)
-    out[:n] = signed
-    decoded: np.ndarray = (out.reshape(nb, block_size) * absmax[:, None]).ravel()[:n]
-    return decoded
+    return np.where(codes & 8, -magnitude, magnitude).astype(np.float32)
+
+
+_E3M0_TABLE = _byte_table(_e3m0_levels(), 2)
+
+
+def _decode_e3m0(payload: bytes, n: int, block_size: int) -> np.ndarray:
+    absmax, body = _scales_and_body(payload, n, block_size, (n + 1) // 2, "e3m0")
+    return _decode_packed(body, _E3M0_TABLE, absmax, n, block_size)
 
 
 def _check_nibbles(payload: bytes, n: int, block_size: int, what: str) -> None:
@@ -224,12 +267,12 @@ def _check_int2(payload: bytes, n: int, block_size: int) -> None:
     _int2_parts(payload, n, block_size)
 
 
+_INT2_TABLE = _byte_table(np.arange(4, dtype=np.float32) - 1.5, 4)
+
+
 def _decode_int2(payload: bytes, n: int, block_size: int) -> np.ndarray:
     scales, packed = _int2_parts(payload, n, block_size)
-    codes = np.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], axis=1).ravel()[:n]
-    levels = codes.astype(np.float32) - 1.5
-    decoded: np.ndarray = (levels * np.repeat(scales, block_size)[:n]).astype(np.float32)
-    return decoded
+    return _decode_packed(packed, _INT2_TABLE, scales, n, block_size)
 
 
 def _encode_sign(x: np.ndarray, block_size: int) -> bytes:
@@ -252,11 +295,12 @@ def _check_sign(payload: bytes, n: int, block_size: int) -> None:
     _sign_parts(payload, n, block_size)
 
 
+_SIGN_TABLE = _byte_table(np.array([-1.0, 1.0], np.float32), 8)
+
+
 def _decode_sign(payload: bytes, n: int, block_size: int) -> np.ndarray:
     scales, packed = _sign_parts(payload, n, block_size)
-    signs = np.unpackbits(packed, count=n, bitorder="little").astype(np.float32) * 2.0 - 1.0
-    decoded: np.ndarray = (signs * np.repeat(scales, block_size)[:n]).astype(np.float32)
-    return decoded
+    return _decode_packed(packed, _SIGN_TABLE, scales, n, block_size)
 
 
 TOPK_SHARE = 32  # topk keeps the 1/32 largest values of each block

@@ -273,3 +273,43 @@ def test_segments_decode_to_what_encoding_the_whole_does(name: str) -> None:
     whole = codec.decode(codec.encode(x, 256), x.size, 256)
     assert decoded.tobytes() == whole.tobytes()
     assert codecs.decode_segments(codec, segments, x.size, 256).tobytes() == whole.tobytes()
+
+
+def _unpacked_reference(name: str, payload: bytes, n: int, block: int) -> np.ndarray:
+    """The fast table decoders, written out value by value: each code unpacked, mapped to
+    its level, multiplied by its block's scale (float32 throughout)."""
+    nb = -(-n // block)
+    scales = np.frombuffer(payload, "<f4", count=nb)
+    body = np.frombuffer(payload, np.uint8, offset=4 * nb)
+    bits = {"int8": 8, "int4-uniform": 4, "e3m0": 4, "int2": 2, "sign": 1}[name]
+    if bits == 8:
+        levels = body.view(np.int8).astype(np.float32)
+    else:
+        shifts = np.arange(0, 8, bits)
+        codes = ((body[:, None] >> shifts) & ((1 << bits) - 1)).ravel()[:n]
+        if name == "int4-uniform":
+            levels = codes.astype(np.float32) - 8.0
+        elif name == "int2":
+            levels = codes.astype(np.float32) - 1.5
+        elif name == "sign":
+            levels = codes.astype(np.float32) * 2.0 - 1.0
+        else:
+            exp = (codes & 7).astype(np.float32)
+            magnitude = np.where(exp > 0, np.exp2(exp - 7), 0.0).astype(np.float32)
+            levels = np.where(codes & 8, -magnitude, magnitude)
+    decoded: np.ndarray = (levels * np.repeat(scales, block)[:n]).astype(np.float32)
+    return decoded
+
+
+@pytest.mark.parametrize("name", ["int8", "int4-uniform", "e3m0", "int2", "sign"])
+@pytest.mark.parametrize(("n", "block"), [(0, 256), (1, 1), (7, 3), (1001, 7), (70_001, 256)])
+def test_table_decoders_are_bit_identical_to_unpacking_each_value(
+    name: str, n: int, block: int
+) -> None:
+    c = codecs.by_name(name)
+    x = np.random.default_rng(n).normal(size=n).astype(np.float32)
+    x[: min(n, block)] = 0.0  # a block of zeros: +-0 and zero scales
+    payload = c.encode(x, block)
+    out = c.decode(payload, n, block)
+    assert out.dtype == np.float32
+    assert out.tobytes() == _unpacked_reference(name, payload, n, block).tobytes()

@@ -18,7 +18,6 @@ from wsgiref.simple_server import WSGIServer
 
 import structlog
 from prometheus_client import (
-    REGISTRY,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -28,7 +27,6 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.metrics_core import Metric
 
 from services.grpcopts import split_hostport
 
@@ -202,17 +200,3 @@ for _direction in ("up", "down"):
     LEARNER_BYTES.labels(direction=_direction)
 for _source in BADPUT_SOURCES:
     BADPUT_SECONDS.labels(source=_source)
-
-
-class _BothRoles:
-    """Transitional: the services still serve the default registry (start_http_server without
-    `registry=`), so it shows both roles' atoll metrics until each calls `serve_metrics`.
-    Remove this class and its registration then."""
-
-    def collect(self) -> list[Metric]:
-        return [
-            m for r in (SYNCHRONIZER, LEARNER) for m in r.collect() if m.name.startswith("atoll_")
-        ]
-
-
-REGISTRY.register(_BothRoles())

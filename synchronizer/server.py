@@ -14,7 +14,6 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 from redis.exceptions import RedisError
 
 from services import telemetry as tm
@@ -91,8 +90,7 @@ async def serve(settings: SynchronizerSettings) -> None:
         ),
         server,
     )
-    metrics_host, metrics_port = split_hostport(settings.metrics_listen)
-    metrics_server, _ = start_http_server(metrics_port, addr=metrics_host)
+    metrics_server, _ = tm.serve_metrics("synchronizer", settings.metrics_listen)
     await server.start()
     bound_metrics = metrics_server.server_port
     log.info(

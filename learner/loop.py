@@ -1,0 +1,309 @@
+"""The built-in inner loop: a compiled step over all local devices, batches, evals, timing.
+
+It knows nothing of how bytes travel: between two steps it calls the sync engine's hook
+(`SyncEngine.after_step`, learner/sync.py), which returns the parameters with any newly
+adopted global fragment written in. Without an engine (`--standalone`) it trains alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import structlog
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from learner.settings import LearnerSettings
+from learner.workload import Workload
+from services import telemetry as tm
+from services.tape import Tape
+
+if TYPE_CHECKING:
+    from learner.sync import SyncEngine
+
+log = structlog.get_logger("atoll.learner")
+EMA_DECAY = 0.9
+
+
+@dataclass
+class Timeline:
+    started: float = field(default_factory=time.time)
+    losses: list[tuple[float, int, int, float]] = field(default_factory=list)
+    evals: list[tuple[float, int, int, float]] = field(default_factory=list)
+    badput: dict[str, float] = field(default_factory=lambda: dict.fromkeys(tm.BADPUT_SOURCES, 0.0))
+
+    def now(self) -> float:
+        return round(time.time() - self.started, 3)
+
+
+def adamw(settings: LearnerSettings) -> optax.GradientTransformation:
+    """The inner optimizer when the workload names none: AdamW with warm-up and cosine decay
+    to a tenth of `--lr` over `--lr-horizon-steps` (default `--steps`)."""
+    steps = settings.lr_horizon_steps or settings.steps or 1_000_000
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        settings.lr,
+        max(1, settings.warmup_steps),
+        max(steps, settings.warmup_steps + 1),
+        end_value=settings.lr * 0.1,
+    )
+    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=settings.weight_decay)
+
+
+class InnerLoop:
+    """Trains `workload` with its optimizer, calling `sync`'s hook after every step."""
+
+    def __init__(
+        self,
+        settings: LearnerSettings,
+        workload: Workload,
+        sync: SyncEngine | None,
+        tape: Tape,
+        stop_requested: threading.Event,
+    ) -> None:
+        self.settings = settings
+        self.workload = workload
+        self.sync = sync
+        self.tape = tape
+        self.stop_requested = stop_requested
+        self.incarnation = sync.incarnation if sync is not None else uuid.uuid4().hex
+        self.timeline = Timeline()
+        self.step = 0
+        self.tokens = 0
+        self.ema_step_s = 0.0
+        self.loss = math.nan
+        self.eval_loss = math.nan
+        self._last_checkpoint = -math.inf  # when it was taken (monotonic)
+        self._position_saved = time.monotonic()
+        self.tx = workload.optimizer if workload.optimizer is not None else adamw(settings)
+        devices = jax.devices()
+        if settings.batch_size % len(devices):
+            raise ValueError(
+                f"--batch-size {settings.batch_size} must be a multiple of the {len(devices)} "
+                "local devices, so each gets an equal share"
+            )
+        # Auto axes: XLA propagates the batch sharding through the model (plain data parallel).
+        mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Auto,))
+        self.replicated = NamedSharding(mesh, P())  # type: ignore[no-untyped-call]
+        self.batch_sharding = NamedSharding(mesh, P("data"))  # type: ignore[no-untyped-call]
+
+    # --- set-up ---------------------------------------------------------------------------
+    def _compile(self) -> None:
+        loss_fn, tx = self.workload.loss_fn, self.tx
+
+        def train_step(params: Any, opt_state: Any, batch: jax.Array) -> Any:
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self._train_step: Any = jax.jit(train_step, donate_argnums=(0, 1))
+        self._eval_loss = jax.jit(loss_fn)
+
+    def _compile_step(self, params: Any, opt_state: Any) -> None:
+        """Trace and compile the inner step ahead of the first one (from the compile cache
+        when it has it), so no step's measured compute time includes compiling: that time is
+        start-up badput, never useful seconds."""
+        t0 = time.monotonic()
+        window = self.workload.batches.next()
+        self.workload.batches.position -= 1  # only its shape was needed
+        batch = jax.ShapeDtypeStruct(  # type: ignore[no-untyped-call]
+            window.shape, window.dtype, sharding=self.batch_sharding
+        )
+        self._train_step = self._train_step.lower(params, opt_state, batch).compile()
+        self._badput("compile", time.monotonic() - t0)
+
+    def _start(self) -> tuple[Any, Any, bool]:
+        """Parameters (joined, or made alone), the optimizer state, whether restored."""
+        if self.sync is None:
+            params = jax.device_put(self.workload.initial(), self.replicated)
+            log.info("standalone", learner=self.settings.id)
+        else:
+            params = self.sync.join(self.workload.initial, self.replicated)
+        self._compile()
+        restored = None
+        if self.sync is not None and self.settings.checkpoint_every:
+            restored = self.sync.restore(params)
+        if restored is None:
+            opt_state = jax.device_put(self.tx.init(params), self.replicated)
+            self._load_position()
+            return params, opt_state, False
+        structure = jax.tree.structure(jax.eval_shape(self.tx.init, restored.params))
+        opt_state = jax.device_put(
+            jax.tree.unflatten(structure, [jnp.asarray(x) for x in restored.opt_leaves]),
+            self.replicated,
+        )
+        self.step, self.tokens = int(restored.meta["step"]), int(restored.meta["tokens"])
+        self.workload.batches.position = int(restored.meta["position"])
+        return restored.params, opt_state, True
+
+    # --- the loop -------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        start = time.monotonic()
+        params, opt_state, restored = self._start()
+        self._badput("startup", time.monotonic() - start)
+        if self.sync is not None:
+            self.sync.joined(restored, self.step, self.tokens)
+        self._compile_step(params, opt_state)
+        steps = self.settings.steps
+        while not self.stop_requested.is_set() and (not steps or self.step < steps):
+            if self.sync is not None and self.sync.job_finished():
+                log.info("job_budget_reached", learner=self.settings.id, step=self.step)
+                break
+            t0 = time.monotonic()
+            batch = jax.device_put(self.workload.batches.next(), self.batch_sharding)
+            params, opt_state, loss = self._train_step(params, opt_state, batch)
+            self.loss = float(loss)  # waits for the step: its time is compute time
+            seconds = time.monotonic() - t0
+            if self.settings.speed < 1.0:  # stand-in for slower hardware
+                time.sleep(seconds * (1.0 / self.settings.speed - 1.0))
+                seconds = time.monotonic() - t0
+            self._record_step(seconds)
+            if self.sync is None:
+                continue
+            params = self.sync.after_step(
+                self.step,
+                params,
+                tokens=self.workload.tokens_per_batch,
+                seconds=seconds,
+                loss=self.loss,
+            )
+            turn = self.settings.eval_every
+            if turn and self.step % turn == self.settings.eval_offset % turn:
+                self._evaluate(params)
+            self._maybe_checkpoint(params, opt_state)
+        if self.sync is not None:
+            params = self.sync.finish(params)
+        self._evaluate(params)
+        if self.sync is not None:
+            self.sync.done(self.eval_loss)
+        return self.summary(params)
+
+    def _record_step(self, seconds: float) -> None:
+        self.step += 1
+        self.tokens += self.workload.tokens_per_batch
+        self.ema_step_s = (
+            seconds
+            if not self.ema_step_s
+            else (EMA_DECAY * self.ema_step_s + (1 - EMA_DECAY) * seconds)
+        )
+        tm.LEARNER_STEPS.inc()
+        tm.LEARNER_TOKENS.inc(self.workload.tokens_per_batch)
+        tm.LEARNER_STEP_SECONDS.observe(seconds)
+        tm.LEARNER_LOSS.set(self.loss)
+        if self.step % max(1, self.settings.log_every) == 0 or self.step == 1:
+            self.timeline.losses.append((self.timeline.now(), self.step, self.tokens, self.loss))
+        self.tape.write("step", step=self.step, seconds=round(seconds, 6))
+
+    def _maybe_checkpoint(self, params: Any, opt_state: Any) -> None:
+        """A checkpoint every --checkpoint-every steps, at most one per
+        --checkpoint-seconds, never queued behind one still being written; without
+        checkpoints, the read position every --heartbeat-s."""
+        assert self.sync is not None
+        s = self.settings
+        if not s.checkpoint_every:
+            if time.monotonic() - self._position_saved >= s.heartbeat_s:
+                self.save_position()
+            return
+        due = s.state_dir is not None and self.step % s.checkpoint_every == 0
+        due = due and time.monotonic() - self._last_checkpoint >= s.checkpoint_seconds
+        if due and self.sync.checkpoint_ready():
+            self._last_checkpoint = time.monotonic()
+            meta = {
+                "step": self.step,
+                "tokens": self.tokens,
+                "position": self.workload.batches.position,
+            }
+            self.sync.checkpoint(params, opt_state, meta)
+
+    def _evaluate(self, params: Any) -> None:
+        """Eval loss of the global model as this learner last saw it (standalone: its own)."""
+        if self.sync is not None:
+            params = self.sync.global_params(self.replicated)
+        batches = self.workload.eval_batches
+        losses = [float(self._eval_loss(params, jnp.asarray(b))) for b in batches]
+        self.eval_loss = float(np.mean(losses))
+        if self.sync is not None:
+            self.sync.eval_loss = self.eval_loss
+        tm.LEARNER_EVAL_LOSS.set(self.eval_loss)
+        self.timeline.evals.append((self.timeline.now(), self.step, self.tokens, self.eval_loss))
+
+    def _badput(self, source: str, seconds: float) -> None:
+        self.timeline.badput[source] += seconds
+        tm.BADPUT_SECONDS.labels(source=source).inc(seconds)
+
+    def summary(self, params: Any) -> dict[str, Any]:
+        synced = self.sync.summary(params) if self.sync is not None else {}
+        badput = dict(self.timeline.badput)
+        if self.sync is not None:
+            badput = {k: v + self.sync.badput[k] for k, v in badput.items()}
+        wall = time.time() - self.timeline.started
+        return {
+            "learner": self.settings.id,
+            "incarnation": self.incarnation,
+            "steps": self.step,
+            "tokens": self.tokens,
+            "parameters": sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params)),
+            "wall_seconds": round(wall, 3),
+            "started_at": self.timeline.started,
+            "step_time_ema_s": self.ema_step_s,
+            "loss": {
+                "initial": self.timeline.losses[0][3] if self.timeline.losses else None,
+                "final": self.loss,
+            },
+            "eval_loss": self.eval_loss,
+            "losses": self.timeline.losses,
+            "evals": self.timeline.evals,
+            "badput_seconds": badput,
+            "versions": synced.get("versions", []),
+            "checksums": synced.get("checksums", []),
+            "bytes": synced.get("bytes", {"up": 0, "down": 0}),
+            "reconnects": synced.get("reconnects", 0),
+            "data_position": self.workload.batches.position,
+        }
+
+    # --- where a learner slot stands: survives restarts ------------------------------------
+    def _position_file(self) -> Path | None:
+        state_dir = self.settings.state_dir
+        return None if state_dir is None else state_dir / f"{self.settings.id}.position.json"
+
+    def _load_position(self) -> None:
+        """A new incarnation of this slot goes on from where the last one stopped: the same
+        step count (toward --steps) and the same place in its data shard."""
+        path = self._position_file()
+        if path is None or not path.exists():
+            return
+        saved = json.loads(path.read_text())
+        self.workload.batches.position = int(saved["position"])
+        self.step, self.tokens = int(saved["step"]), int(saved["tokens"])
+        log.info(
+            "resumed",
+            learner=self.settings.id,
+            step=self.step,
+            position=self.workload.batches.position,
+        )
+
+    def save_position(self) -> None:
+        self._position_saved = time.monotonic()
+        path = self._position_file()
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        state = {
+            "position": self.workload.batches.position,
+            "step": self.step,
+            "tokens": self.tokens,
+        }
+        tmp.write_text(json.dumps(state))
+        tmp.replace(path)

@@ -1,0 +1,614 @@
+"""The sync engine: what turns a JAX training loop into a learner of a job.
+
+Any loop can use it: the built-in one (`learner.loop`) or a user's own, with their model,
+their optax optimizer and their data. The loop owns its parameters and calls the engine
+between two steps; the engine owns everything about the job (fragments, error feedback,
+sends, acknowledgements, adoption of new global values, the final sync) and hands the
+parameters back, with any newly adopted fragment written into them:
+
+    engine = SyncEngine(settings, shapes, tokens_per_step=batch * context)
+    params = engine.join(initial_params)            # the job's current global model
+    for step in range(1, steps + 1):
+        params, opt_state, loss = train_step(params, opt_state, next(batches))
+        params = engine.after_step(step, params, loss=float(loss))
+        if engine.job_finished():
+            break
+    params = engine.finish(params)                  # final sync: ends on the global model
+    engine.done()
+    engine.close()
+
+Parameters are any pytree of float32 arrays with the structure of `shapes`; leaves are named
+by their paths (`blocks/3/attn/qkv`), which is what the fragment layout and the wire see.
+`after_step` never waits on the network in decoupled mode: an update's device-side copy is
+taken at once and the encoder thread copies it to the host, encodes and queues it. In sync
+mode it waits at each fragment's sync until that fragment is merged (classic DiLoCo).
+
+Threads: the caller's thread owns the fragments' bookkeeping and the parameters it passes
+in; the encoder thread (one, so each fragment's error feedback stays in order) owns the
+residuals and the fragment each in-flight update took, and writes checkpoints after the
+sends queued before them.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+import structlog
+
+from learner import checkpoint as ckpt
+from learner.client import GlobalFragment, SynchronizerClient
+from learner.outer import OuterState, due_fragments, sync_round
+from learner.settings import LearnerSettings
+from learner.workload import FlatParams, Named
+from services import codec as codecs
+from services import telemetry as tm
+from services.config import INIT_CLAIM_S
+from services.gen.atoll.v1 import session_pb2
+from services.layout import FragmentLayout, LeafSpec, fragment_layout
+from services.tape import Tape
+
+log = structlog.get_logger("atoll.learner")
+FINAL_SYNC_TIMEOUT_S = 120.0
+INIT_POLL_S = 0.2  # how often a learner waiting for the job's initial parameters asks
+EMA_DECAY = 0.9
+
+
+@dataclass
+class Restored:
+    """What a slot's local checkpoint gave back: parameters moved onto the job's current
+    values, the optimizer state's leaves, and the loop's place (step, tokens, position)."""
+
+    params: Any
+    opt_leaves: list[np.ndarray]
+    meta: dict[str, Any]
+
+
+class SyncEngine:
+    """Joins a job, sends each fragment's outer gradient when it is due, adopts the replies.
+
+    `settings` gives the job (`synchronizer`, `job`, `id`, `token`, `heartbeat_s`,
+    `linger_s`, `tape`, `state_dir`); `shapes` is a pytree of arrays or
+    `jax.ShapeDtypeStruct`s with the parameters' structure.
+    """
+
+    def __init__(
+        self,
+        settings: LearnerSettings,
+        shapes: Any,
+        *,
+        tokens_per_step: int,
+        tape: Tape | None = None,
+        stop_requested: threading.Event | None = None,
+    ) -> None:
+        self.settings = settings
+        self.named = Named.of(shapes)
+        self.specs = [
+            LeafSpec(n, tuple(int(d) for d in v.shape), "float32")
+            for n, v in self.named.flatten(shapes).items()
+        ]
+        self.tokens_per_step = tokens_per_step
+        self.incarnation = uuid.uuid4().hex
+        self.tape = tape if tape is not None else Tape(settings.tape, settings.id)
+        self.stop_requested = stop_requested or threading.Event()
+        self.badput: dict[str, float] = dict.fromkeys(tm.BADPUT_SOURCES, 0.0)
+        # What the heartbeats report: the loop tells (`after_step`'s keywords, `done`).
+        self.step = 0
+        self.tokens = 0
+        self.loss = math.nan
+        self.eval_loss = math.nan
+        self.ema_step_s = 0.0
+        self._started = time.time()
+        self._last_call = time.monotonic()
+        self._last_heartbeat = 0.0
+        self._reconnects_seen = 0
+        self._provisioned_until = time.monotonic()
+        self.pending_acks: dict[int, tuple[int, float]] = {}  # seq -> (fragment, compute s)
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-encode")
+        self._encoding: list[Future[tuple[int, int, float]]] = []
+        self._writing: Future[tuple[int, int, float]] | None = None  # the last checkpoint
+        self._slots: ckpt.Slots | None = None
+        self._refetch: set[int] = set()
+        self._flat: FlatParams = {}  # the parameters during a call, as named leaves
+        tm.LEARNER_PARAMETERS.set(sum(s.size for s in self.specs))
+        self.client = SynchronizerClient(
+            [a for addr in settings.synchronizer for a in addr.split(",") if a],
+            job=settings.job,
+            learner_id=settings.id,
+            incarnation=self.incarnation,
+            params=self.specs,
+            token=settings.token,
+            max_backoff_s=settings.max_backoff_s,
+        )
+
+    # --- joining --------------------------------------------------------------------------
+    def join(self, initial: Any | Callable[[], Any], sharding: Any = None) -> Any:
+        """Join the job and return its current global parameters, placed with `sharding`
+        (default: JAX's default device). `initial`: this learner's initial parameters, or a
+        function making them (called only if the job still needs or holds them)."""
+        welcome = self.client.connect()
+        cfg = welcome.config
+        self.mode, self.alpha = cfg.mode, cfg.merge_alpha
+        self.fragments, self.inner_steps = cfg.fragments, cfg.inner_steps
+        self.codec = codecs.by_wire(cfg.codec)
+        self.block_size = cfg.block_size
+        self.layout: FragmentLayout = fragment_layout(self.specs, self.fragments)
+        # Fragments still at the value this learner initialized (same model and seed) are
+        # not sent again: only their checksums travel. Once the job has moved on, this
+        # learner's initial values can match nothing: they are not even made.
+        mine: dict[int, np.ndarray] = {}
+        if not welcome.initialized or not any(welcome.versions):
+            made = self.named.flatten(initial() if callable(initial) else initial).items()
+            flat = {k: np.asarray(v, np.float32) for k, v in made}
+            mine = {p: self.layout.gather(p, flat) for p in range(self.fragments)}
+        fetched: list[GlobalFragment] | None = None
+        if not welcome.initialized and not welcome.initializer:
+            fetched = self._await_initial(mine)  # another learner is sending them
+        if not welcome.initialized and fetched is None:
+            for p in range(self.fragments):
+                self.client.send_initial(p, mine[p])
+            deadline = time.monotonic() + 60
+            while self.client.unacked() and time.monotonic() < deadline:
+                self.client.check()
+                time.sleep(0.05)
+        if fetched is None:
+            fetched = self.client.fetch_state(held=mine)
+        globals_ = sorted(fetched, key=lambda g: g.fragment)
+        if len(globals_) != self.fragments:
+            raise RuntimeError(
+                f"fetched {len(globals_)} of {self.fragments} global fragments; retry"
+            )
+        self.outer = OuterState.start(
+            [(g.version, g.values) for g in globals_],
+            self.codec,
+            self.block_size,
+            keep_progress=cfg.keep_overlap_progress,
+        )
+        values: dict[str, np.ndarray] = {}
+        for g in globals_:
+            values.update(self.layout.scatter(g.fragment, g.values))
+        params = jax.device_put({k: jnp.asarray(v) for k, v in values.items()}, sharding)
+        tm.REJOINS.inc()
+        log.info(
+            "joined",
+            learner=self.settings.id,
+            incarnation=self.incarnation,
+            mode=self.mode,
+            fragments=self.fragments,
+            inner_steps=self.inner_steps,
+            codec=self.codec.name,
+            versions=[g.version for g in globals_],
+            initialized_job=not welcome.initialized,
+        )
+        return self.named.unflatten(params)
+
+    def _await_initial(self, mine: dict[int, np.ndarray]) -> list[GlobalFragment] | None:
+        """The job's initial values, once the learner holding the claim has sent them; None
+        if they did not come while its claim lasted (then this learner sends its own)."""
+        deadline = time.monotonic() + INIT_CLAIM_S + 5.0
+        while time.monotonic() < deadline and not self.stop_requested.is_set():
+            try:
+                return self.client.fetch_state(held=mine)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+            time.sleep(INIT_POLL_S)
+        log.warning("initial_parameters_late", learner=self.settings.id)
+        return None
+
+    def joined(self, restored: bool, step: int = 0, tokens: int = 0) -> None:
+        """Record on the tape where this incarnation starts: after any restore, at the
+        loop's step and token count (a restarted slot goes on from them)."""
+        self.step, self.tokens = step, tokens
+        self._last_call = time.monotonic()
+        self.record("joined", restored=restored)
+
+    # --- between two steps ----------------------------------------------------------------
+    def after_step(
+        self,
+        step: int,
+        params: Any,
+        *,
+        tokens: int | None = None,
+        seconds: float | None = None,
+        loss: float | None = None,
+    ) -> Any:
+        """The hook a loop calls after each inner step: adopt replies that arrived, send
+        the fragments that are due (sync mode: wait for their merge), heartbeat every
+        `heartbeat_s`. Returns the
+        parameters, with adopted fragments written in. `tokens` (default: tokens_per_step)
+        and `seconds` (default: the time since the last call) are the step's, for the
+        goodput accounting; `loss` goes into heartbeats."""
+        now = time.monotonic()
+        seconds = now - self._last_call if seconds is None else seconds
+        tokens = self.tokens_per_step if tokens is None else tokens
+        self.step, self.tokens = step, self.tokens + tokens
+        if loss is not None:
+            self.loss = loss
+        self.ema_step_s = (
+            seconds
+            if not self.ema_step_s
+            else (EMA_DECAY * self.ema_step_s + (1 - EMA_DECAY) * seconds)
+        )
+        self._flat = self.named.flatten(params)
+        try:
+            for f in self.outer.fragments:
+                f.count(tokens, seconds)
+            self._apply_arrivals()
+            self._drain_acks()
+            for p in due_fragments(step, self.fragments, self.inner_steps):
+                f = self.outer.fragments[p]
+                if self.mode == "sync" and f.version >= sync_round(
+                    step, p, self.fragments, self.inner_steps
+                ):
+                    # An earlier incarnation of this slot already sent this round's update
+                    # (it was restored to a step before that send): sending again would wait
+                    # for a round the others reach only a full cycle later, while they wait
+                    # for it.
+                    continue
+                f.due = True
+            for p, f in enumerate(self.outer.fragments):
+                if f.due and not f.in_flight and f.steps:
+                    self._send(p)
+                    if self.mode == "sync":
+                        self._wait_for(p, source="waiting")
+            if time.monotonic() - self._last_heartbeat >= self.settings.heartbeat_s:
+                self.heartbeat()
+            return self.named.unflatten(self._flat)
+        finally:
+            self._flat = {}
+            self._last_call = time.monotonic()
+
+    def job_finished(self) -> bool:
+        """Whether the job's budget of steps is spent (then the loop stops and finishes).
+        Raises if the session to the synchronizers failed for good."""
+        self.client.check()
+        return self.client.job_finished
+
+    def global_params(self, sharding: Any = None) -> Any:
+        """The global model as this learner last saw it (what an eval should measure)."""
+        flat: dict[str, np.ndarray] = {}
+        for p, f in enumerate(self.outer.fragments):
+            newer = f.latest is not None and f.latest_version > f.version
+            flat.update(self.layout.scatter(p, f.latest if newer else f.base))  # type: ignore[arg-type]
+        values = jax.device_put({k: jnp.asarray(v) for k, v in flat.items()}, sharding)
+        return self.named.unflatten(values)
+
+    def _send(self, p: int) -> None:
+        """Start fragment p's update; the encoder thread finishes and queues it."""
+        f = self.outer.fragments[p]
+        send = f.begin_send()
+        names = [leaf.name for leaf in self.layout.fragments[p].leaves]
+        # A device-side copy: the loop's step may donate the parameters' buffers.
+        snapshot = [jnp.copy(self._flat[n]) for n in names]
+
+        def encode_and_queue() -> tuple[int, int, float]:
+            host = dict(zip(names, jax.device_get(snapshot), strict=True))
+            theta = self.layout.gather(p, host)
+            seq = self.client.send_update(
+                fragment=p,
+                payload=f.encode(send, theta),
+                codec=self.codec.wire,
+                block_size=self.block_size,
+                num_elements=theta.size,
+                base_version=send.version,
+                c_steps=send.steps,
+                c_tokens=send.tokens,
+                compute_seconds=send.compute_seconds,
+            )
+            self.tape.write(
+                "sent",
+                uid=self._uid(seq),
+                fragment=p,
+                base_version=send.version,
+                steps=send.steps,
+                compute_seconds=round(send.compute_seconds, 6),
+            )
+            return seq, p, send.compute_seconds
+
+        self._encoding.append(self._encoder.submit(encode_and_queue))
+
+    def _host_leaves(self, p: int) -> dict[str, np.ndarray]:
+        names = [leaf.name for leaf in self.layout.fragments[p].leaves]
+        return dict(zip(names, jax.device_get([self._flat[n] for n in names]), strict=True))
+
+    def _apply_arrivals(self, timeout: float = 0.0) -> bool:
+        """Apply global values that arrived; return True if any reply was adopted."""
+        adopted = False
+        while True:
+            try:
+                g: GlobalFragment = self.client.fragments.get(timeout=timeout)
+            except queue.Empty:
+                return adopted
+            timeout = 0.0
+            f = self.outer.fragments[g.fragment]
+            if f.receive(g.values, g.version):
+                self._adopt(g.fragment, g.values, g.version)
+                adopted = True
+
+    def _adopt(self, p: int, value: np.ndarray, version: int) -> None:
+        f = self.outer.fragments[p]
+        needs_local = self.alpha or (f.keep_progress and f.sent_theta is not None)
+        theta = self.layout.gather(p, self._host_leaves(p)) if needs_local else value
+        merged = f.local_value(theta, value, self.alpha)
+        f.adopt(value, version)
+        for name, leaf in self.layout.scatter(p, merged).items():
+            self._flat[name] = jax.device_put(jnp.asarray(leaf), self._flat[name].sharding)
+
+    def _wait_for(self, p: int, source: str, timeout: float = FINAL_SYNC_TIMEOUT_S) -> None:
+        """Block until fragment p's reply is adopted (sync mode, final sync)."""
+        t0 = time.monotonic()
+        f = self.outer.fragments[p]
+        while f.in_flight and time.monotonic() - t0 < timeout:
+            self.client.check()
+            self._drain_acks()
+            if self._apply_arrivals(timeout=0.05):
+                continue
+            if self.stop_requested.is_set() and source == "waiting":
+                break
+        self.add_badput(source, time.monotonic() - t0)
+
+    def _drain_acks(self) -> None:
+        still = []
+        for job in self._encoding:
+            if job.done():
+                seq, p, compute = job.result()
+                if seq >= 0:  # a checkpoint written, not an update
+                    self.pending_acks[seq] = (p, compute)
+            else:
+                still.append(job)
+        self._encoding = still
+        for seq in list(self.pending_acks):
+            ack = self.client.stats.acks.get(seq)
+            if ack is None:
+                continue
+            p, compute = self.pending_acks.pop(seq)
+            status = session_pb2.AckStatus.Name(ack.status).removeprefix("ACK_STATUS_").lower()
+            self.tape.write("acked", uid=self._uid(seq), fragment=p, status=status)
+            if ack.status in (session_pb2.ACK_STATUS_COMMITTED, session_pb2.ACK_STATUS_DUPLICATE):
+                tm.GOODPUT_SECONDS.inc(compute / self.fragments)
+                continue
+            log.warning("update_refused", fragment=p, reason=ack.reason)
+            self.add_badput("lost", compute / self.fragments)
+            self._refetch.add(p)  # continue from the current global value
+        self._fetch_refused()
+
+    def _fetch_refused(self) -> None:
+        """Adopt the current global value of fragments whose update was refused; if no
+        synchronizer answers now, the next step tries again (the session reconnects)."""
+        if not self._refetch:
+            return
+        try:
+            fetched = self.client.fetch_state(sorted(self._refetch))
+        except grpc.RpcError as err:
+            log.info("refetch_deferred", fragments=sorted(self._refetch), error=str(err.code()))
+            return
+        for g in fetched:
+            self.outer.fragments[g.fragment].receive(g.values, g.version)
+            self._adopt(g.fragment, g.values, g.version)
+            self._refetch.discard(g.fragment)
+
+    def add_badput(self, source: str, seconds: float) -> None:
+        """Learner seconds that did not become merged progress, by source."""
+        self.badput[source] += seconds
+        tm.BADPUT_SECONDS.labels(source=source).inc(seconds)
+
+    def record(self, kind: str, **fields: Any) -> None:
+        """A tape event with where this incarnation stands: step and fragment versions."""
+        self.tape.write(
+            kind,
+            incarnation=self.incarnation,
+            step=self.step,
+            versions=[f.version for f in self.outer.fragments],
+            **fields,
+        )
+
+    def _uid(self, seq: int) -> str:
+        """An update's id, as the synchronizer and the commit log name it."""
+        return f"{self.settings.id}/{self.incarnation}/{seq}"
+
+    def heartbeat(
+        self, done: bool = False, last_sent: bool = False, still_to_send: list[int] | None = None
+    ) -> None:
+        """Tell the synchronizer where this learner stands (step, speed, losses)."""
+        self._last_heartbeat = time.monotonic()
+        if self.client.stats.reconnects != self._reconnects_seen:
+            self._reconnects_seen = self.client.stats.reconnects
+            self.tape.write("reconnected", reconnects=self._reconnects_seen)
+        now = time.monotonic()
+        tm.PROVISIONED_SECONDS.inc(now - self._provisioned_until)
+        self._provisioned_until = now
+        elapsed = max(1e-9, time.time() - self._started)
+        self.client.heartbeat(
+            step=self.step,
+            step_time_ema_s=self.ema_step_s,
+            tokens_per_s=self.tokens / elapsed,
+            loss=self.loss,
+            eval_loss=self.eval_loss,
+            done=done,
+            last_sent=last_sent,  # the synchronizer takes `done` as saying it too
+            still_to_send=still_to_send,
+        )
+
+    # --- the end --------------------------------------------------------------------------
+    def finish(self, params: Any) -> Any:
+        """Send what every fragment learned since its anchor and adopt the replies; return
+        the parameters, now the newest global model this learner saw.
+
+        Fragments with nothing in flight go at once. One whose update is still in flight
+        sends its later steps once the reply is in. After each send the learner says, in a
+        heartbeat behind the updates on the stream, which fragments it will still send: the
+        synchronizer merges a round as soon as no live learner can add to it, instead of
+        waiting out a quorum or a grace window that nothing more will fill. Call `done`
+        after it (once the final eval, if any, is known).
+        """
+        self._flat = self.named.flatten(params)
+        try:
+            fragments = self.outer.fragments
+            for p, f in enumerate(fragments):
+                if f.steps and not f.in_flight:
+                    self._send(p)
+            later = [p for p, f in enumerate(fragments) if f.in_flight and f.steps]
+            while later:
+                wait(self._encoding)
+                self.heartbeat(still_to_send=later)
+                p = later.pop(0)
+                self._wait_for(p, source="waiting")
+                if fragments[p].steps and not fragments[p].in_flight:
+                    self._send(p)
+            wait(self._encoding)
+            self.heartbeat(last_sent=True)
+            for p in range(self.fragments):
+                self._wait_for(p, source="waiting")
+            self._drain_acks()
+            self.heartbeat(done=True)
+            linger_until = time.monotonic() + self.settings.linger_s
+            while time.monotonic() < linger_until and not self.stop_requested.is_set():
+                self._apply_arrivals(timeout=0.2)
+                self.heartbeat(done=True)
+            self._apply_arrivals(timeout=0.5)
+            # Training is over: nothing local is left to lose: take the newest global values.
+            for p, f in enumerate(self.outer.fragments):
+                f.sent_theta = None  # overwrite: the learner ends on the global model itself
+                if f.latest is not None and f.latest_version > f.version:
+                    self._adopt(p, f.latest, f.latest_version)
+            return self.named.unflatten(self._flat)
+        finally:
+            self._flat = {}
+
+    def done(self, eval_loss: float | None = None) -> None:
+        """The last heartbeat: this learner is done (with its final eval loss, if any)."""
+        if eval_loss is not None:
+            self.eval_loss = eval_loss
+        self.heartbeat(done=True)
+
+    def summary(self, params: Any) -> dict[str, Any]:
+        """The fragments' versions and checksums of `params`, and the bytes moved; records
+        the end on the tape."""
+        self._flat = self.named.flatten(params)
+        try:
+            checksums = [
+                codecs.checksum(self.layout.gather(p, self._host_leaves(p)).tobytes())
+                for p in range(self.fragments)
+            ]
+        finally:
+            self._flat = {}
+        self.record("finished", checksums=checksums)
+        return {
+            "incarnation": self.incarnation,
+            "versions": [f.version for f in self.outer.fragments],
+            "checksums": checksums,
+            "bytes": {"up": self.client.stats.bytes_up, "down": self.client.stats.bytes_down},
+            "reconnects": self.client.stats.reconnects,
+        }
+
+    def close(self) -> None:
+        """Wait for the encoder thread and close the session."""
+        self._encoder.shutdown(wait=True)
+        self.client.close()
+
+    # --- the slot's local checkpoint: what a restart goes on from ---------------------------
+    def _checkpoints(self) -> ckpt.Slots:
+        if self._slots is None:
+            state_dir = self.settings.state_dir
+            assert state_dir is not None
+            self._slots = ckpt.Slots(Path(state_dir) / f"{self.settings.id}.checkpoint")
+        return self._slots
+
+    def _checkpoint_key(self) -> dict[str, Any]:
+        return {
+            "job": self.settings.job,
+            "learner": self.settings.id,
+            "fragments": self.fragments,
+            "inner_steps": self.inner_steps,
+        }
+
+    def checkpoint_ready(self) -> bool:
+        """Whether the last checkpoint is written (the next is never queued behind it)."""
+        return self._writing is None or self._writing.done()
+
+    def checkpoint(self, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
+        """Write a checkpoint of `params`, `opt_state` and this engine's bookkeeping to
+        `--state-dir`, without waiting for it: a device-side copy (the next step may donate
+        the buffers) whose copies to the host start now and run beside the next steps. The
+        encoder thread waits for them, adds what it owns (residuals, the fragment each
+        update took) after the sends queued before, and writes the file. `meta`: the loop's
+        place (step, tokens, data position)."""
+        arrays: dict[str, np.ndarray] = {}
+        fragments = self.outer.fragments
+        records = [ckpt.fragment_record(p, f, arrays) for p, f in enumerate(fragments)]
+        meta = {**self._checkpoint_key(), **meta}
+        flat, opt = _device_copy((self.named.flatten(params), opt_state))
+        for leaf in jax.tree.leaves((flat, opt)):
+            leaf.copy_to_host_async()
+        slots = self._checkpoints()
+
+        def finish_and_write() -> tuple[int, int, float]:
+            host_params, host_opt = jax.device_get((flat, jax.tree.leaves(opt)))
+            snap = ckpt.Snapshot(
+                meta=meta,
+                params={k: np.asarray(v) for k, v in host_params.items()},
+                opt_leaves=[np.asarray(x) for x in host_opt],
+                fragments=records,
+                arrays=arrays,
+            )
+            for p, f in enumerate(fragments):
+                in_flight = records[p]["awaiting_above"] is not None
+                ckpt.encoder_arrays(p, f, in_flight, snap.arrays)
+            slots.write(snap)
+            return -1, -1, 0.0  # not an update: nothing to acknowledge
+
+        self._writing = self._encoder.submit(finish_and_write)
+        self._encoding.append(self._writing)
+
+    def restore(self, params: Any) -> Restored | None:
+        """This slot's local checkpoint, if there is one for this job and model, with every
+        fragment moved onto the job's current value (`params`, as `join` returned them),
+        keeping the progress made since its anchor."""
+        if self.settings.state_dir is None:
+            return None
+        loaded = self._checkpoints().read()
+        if loaded is None:
+            return None
+        current_flat = self.named.flatten(params)
+        why = ckpt.matches(loaded, self._checkpoint_key(), list(current_flat))
+        if why is not None:
+            log.warning("checkpoint_ignored", learner=self.settings.id, reason=why)
+            return None
+        current = [(f.version, f.base) for f in self.outer.fragments]
+        flat = dict(loaded.params)
+        for p, (f, record) in enumerate(zip(self.outer.fragments, loaded.fragments, strict=True)):
+            ckpt.restore_fragment(p, f, record, loaded.arrays)
+            version, value = current[p]
+            theta = f.carry_onto(self.layout.gather(p, flat), value, version)
+            flat.update(self.layout.scatter(p, theta))
+        placed = {
+            k: jax.device_put(jnp.asarray(flat[k]), v.sharding) for k, v in current_flat.items()
+        }
+        self.step, self.tokens = int(loaded.meta["step"]), int(loaded.meta["tokens"])
+        log.info(
+            "restored",
+            learner=self.settings.id,
+            step=self.step,
+            versions=[f.version for f in self.outer.fragments],
+        )
+        return Restored(self.named.unflatten(placed), loaded.opt_leaves, loaded.meta)
+
+
+@jax.jit
+def _device_copy(tree: Any) -> Any:
+    """Fresh device buffers holding the same values (never donated, so a background
+    thread may read them while the next steps run)."""
+    return jax.tree.map(jnp.copy, tree)
