@@ -51,6 +51,16 @@ class OwnerLost(RuntimeError):
 
 
 @dataclass(eq=False)
+class Chunk:
+    """A chunk summed into a round's accumulator, kept until its update is received."""
+
+    offset: int
+    count: int
+    data: bytes
+    accumulator: Accumulator
+
+
+@dataclass(eq=False)
 class Update:
     """An update on its way in: what it weighs, where it is summed, its chunks so far."""
 
@@ -66,7 +76,7 @@ class Update:
     codec: codecs.Codec
     block_size: int
     accumulator: Accumulator
-    chunks: list[tuple[int, int, bytes]] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
     hasher: Any = field(default_factory=xxhash.xxh3_64)
 
     @property
@@ -117,6 +127,7 @@ class FragmentOwner:
         self.lost = False
         self.merging = False
         self.wake = asyncio.Event()
+        self._gc: asyncio.Task[None] | None = None
         # One thread per fragment: chunk sums and the merge never race on its arrays.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"atoll-frag{fragment}")
 
@@ -188,31 +199,40 @@ class FragmentOwner:
 
     async def add(self, update: Update, offset: int, count: int, data: bytes) -> None:
         """Decode one chunk and sum it into the update's round (raises CodecError)."""
-        await self._on_worker(self._add, update, offset, count, data)
-        update.chunks.append((offset, count, data))
         update.hasher.update(data)
+        await self._on_worker(self._add, update, offset, count, data)
 
+    # The chunk records and the sums are touched on the worker thread only, one job at a
+    # time; which round an update belongs to (`update.accumulator`, the members) changes on
+    # the event loop only. A chunk is summed into the round its update belongs to when the
+    # job runs, and its record says which that was.
     def _add(self, update: Update, offset: int, count: int, data: bytes) -> None:
         values = update.codec.decode(data, count, update.block_size)
-        update.accumulator.add(offset, values, update.weight, update.norms)
+        target = update.accumulator
+        target.add(offset, values, update.weight, update.norms)
+        update.chunks.append(Chunk(offset, count, data, target))
 
-    def _take_out(self, update: Update, accumulator: Accumulator) -> None:
-        for offset, count, data in update.chunks:
-            values = update.codec.decode(data, count, update.block_size)
-            accumulator.subtract(offset, values, update.weight, update.norms)
+    def _take_out(self, update: Update) -> None:
+        for chunk in update.chunks:
+            values = update.codec.decode(chunk.data, chunk.count, update.block_size)
+            chunk.accumulator.subtract(chunk.offset, values, update.weight, update.norms)
+        update.chunks.clear()
 
-    def _move(self, update: Update, target: Accumulator) -> None:
-        self._take_out(update, update.accumulator)
-        for offset, count, data in update.chunks:
-            values = update.codec.decode(data, count, update.block_size)
-            target.add(offset, values, update.weight, update.norms)
-        update.accumulator = target
+    def _move(self, update: Update, sealed: Accumulator) -> None:
+        """Chunks summed into a round being merged go to the update's round now."""
+        for chunk in update.chunks:
+            if chunk.accumulator is sealed:
+                values = update.codec.decode(chunk.data, chunk.count, update.block_size)
+                sealed.subtract(chunk.offset, values, update.weight, update.norms)
+                values = update.codec.decode(chunk.data, chunk.count, update.block_size)
+                update.accumulator.add(chunk.offset, values, update.weight, update.norms)
+                chunk.accumulator = update.accumulator
 
     async def abandon(self, update: Update) -> None:
         """An update that will not be received (its stream broke, or it was refused)."""
         if update in self.in_flight:
             self.in_flight.discard(update)
-            await self._on_worker(self._take_out, update, update.accumulator)
+            await self._on_worker(self._take_out, update)
 
     async def receive(self, update: Update, checksum: int) -> tuple[str, int]:
         """Record a whole, checked update in Redis; on any status but `received` it is taken
@@ -249,6 +269,7 @@ class FragmentOwner:
                 self.lost = True
             return status, version
         self.in_flight.discard(update)
+        self.worker.submit(update.chunks.clear)  # received: nothing of it moves again
         update.accumulator.counted(update.weight, update.norms, 1)
         self.members.append(update)  # of the open round: one sealed meanwhile moved it
         tm.UPDATES_ACCEPTED.inc()
@@ -301,7 +322,7 @@ class FragmentOwner:
         self.merging = True
         started = time.monotonic()
         try:
-            members, sealed = await self._on_worker(self._seal)
+            members, sealed = self._seal()
             if not members:
                 return
             await self._commit(members, sealed, live_learners, started)
@@ -309,12 +330,15 @@ class FragmentOwner:
             self.merging = False
 
     def _seal(self) -> tuple[list[Update], Accumulator]:
-        """Close the round: its members and sum; updates still arriving move to the next."""
+        """Close the round: its members and sum. Updates still arriving belong to the next
+        round from now on; their chunks summed so far move there (queued on the worker
+        before the merge's own job)."""
         members, sealed = self.members, self.current
         self.members, self.current = [], self.rule.new(self.size, self.segments)
-        for update in list(self.in_flight):
+        for update in self.in_flight:
             if update.accumulator is sealed:
-                self._move(update, self.current)
+                update.accumulator = self.current
+                self.worker.submit(self._move, update, sealed)
         return members, sealed
 
     def _step(self, sealed: Accumulator, scale: float) -> list[tuple[int, int, bytes]]:
@@ -413,12 +437,11 @@ class FragmentOwner:
             contributors=len(updates),
             seconds=round(seconds, 4),
         )
-        await self._collect_garbage(version)
+        if version % KEEP_VERSIONS == 0:  # in the background: never part of a merge's time
+            self._gc = asyncio.create_task(self._collect_garbage(version))
 
     async def _collect_garbage(self, version: int) -> None:
         """Delete objects of versions older than the ones kept."""
-        if version % KEEP_VERSIONS:
-            return
         prefix = f"{self.store.job}/fragment-{self.fragment:05d}/"
         try:
             old = [

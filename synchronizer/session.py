@@ -71,6 +71,7 @@ class Connection:
         default_factory=asyncio.Queue
     )
     sent_versions: dict[int, int] = field(default_factory=dict)
+    notified: dict[int, int] = field(default_factory=dict)  # commits told of, per fragment
 
     @property
     def prefix(self) -> str:
@@ -159,7 +160,6 @@ class Sessions:
         self.ownership, self.tape = ownership, tape
         self._layout, self._adopt_spec = layout, adopt_spec
         self.connections: dict[str, Connection] = {}
-        self.versions: list[int | None] = []
         self.owner_map: list[session_pb2.FragmentOwner] = []
 
     # --- the control stream ---------------------------------------------------------------
@@ -253,7 +253,10 @@ class Sessions:
         # A learner holds at least these versions once it has joined (it fetches whatever
         # moved since): the next commit reaches it as a delta, not as a whole copy.
         conn = Connection(
-            hello.learner_id, hello.incarnation, sent_versions=dict(enumerate(versions))
+            hello.learner_id,
+            hello.incarnation,
+            sent_versions=dict(enumerate(versions)),
+            notified=dict(enumerate(versions)),
         )
         welcome = session_pb2.Welcome(
             config=session_pb2.JobConfig(
@@ -358,7 +361,7 @@ class Sessions:
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # Redis or the tensor store away: keep trying
-                log.debug("watch_interrupted", error=str(err))
+                log.warning("watch_interrupted", error=repr(err))
                 await asyncio.sleep(0.5)
             await asyncio.sleep(WATCH_S)
 
@@ -378,37 +381,40 @@ class Sessions:
             for conn in list(self.connections.values()):
                 conn.send(message)
         versions = await self.store.versions(layout.num_fragments)
-        if not self.versions:
-            self.versions = list(versions)
         for p, version in enumerate(versions):
             if version is None:
                 continue
             tm.FRAGMENT_VERSION.labels(fragment=str(p)).set(version)
-            before = self.versions[p] or 0  # none yet: every version from 1 is new
-            if version > before:
-                await self._notify_commits(p, version - before)
-            self.versions[p] = version
+            await self._notify_commits(p, version)
             await self._push(p, version, layout)
 
-    async def _notify_commits(self, fragment: int, count: int) -> None:
-        """COMMITTED acks to the learners whose updates the new versions merged."""
-        if not self.connections:
+    async def _notify_commits(self, fragment: int, version: int) -> None:
+        """COMMITTED acks to the learners whose updates the versions each learner has not
+        been told of yet merged (from the version its session started at)."""
+        behind = [c for c in self.connections.values() if c.notified.get(fragment, 0) < version]
+        if not behind:
             return
-        for entry in await self.store.log_tail(fragment, count):
-            for uid in entry["uids"]:
-                prefix, seq = uid.rsplit("/", 1)
-                conn = self.connections.get(prefix + "/")
-                if conn is not None:
-                    conn.send(
-                        session_pb2.SynchronizerMessage(
-                            ack=session_pb2.Ack(
-                                seq=int(seq),
-                                fragment=fragment,
-                                status=session_pb2.ACK_STATUS_COMMITTED,
-                                version=int(entry["version"]),
+        lowest = min(c.notified.get(fragment, 0) for c in behind)
+        entries = await self.store.log_range(fragment, lowest, version)
+        for conn in behind:
+            told = conn.notified.get(fragment, 0)
+            for entry in entries:
+                if int(entry["version"]) <= told:
+                    continue
+                for uid in entry["uids"]:
+                    prefix, seq = uid.rsplit("/", 1)
+                    if prefix + "/" == conn.prefix:
+                        conn.send(
+                            session_pb2.SynchronizerMessage(
+                                ack=session_pb2.Ack(
+                                    seq=int(seq),
+                                    fragment=fragment,
+                                    status=session_pb2.ACK_STATUS_COMMITTED,
+                                    version=int(entry["version"]),
+                                )
                             )
                         )
-                    )
+            conn.notified[fragment] = version
 
     async def _push(self, fragment: int, version: int, layout: FragmentLayout) -> None:
         """Bring every learner this replica serves to the fragment's newest version: the
@@ -423,7 +429,7 @@ class Sessions:
             if last >= 0 and version - last <= MAX_DELTA_CHAIN:
                 entries = {
                     int(e["version"]): e
-                    for e in await self.store.log_tail(fragment, version - last)
+                    for e in await self.store.log_range(fragment, last, version)
                 }
                 for v in range(last + 1, version + 1):
                     if v not in deltas:

@@ -405,9 +405,18 @@ class ControlStore:
         )
         return _s(reply[0]), int(reply[1])
 
-    async def log_tail(self, fragment: int, count: int) -> list[dict[str, Any]]:
-        """The last `count` commit log entries of a fragment, oldest first."""
-        entries = await self.redis.lrange(self.keys.log(fragment), -count, -1)
+    async def log_range(self, fragment: int, after: int, upto: int) -> list[dict[str, Any]]:
+        """The commit log entries of versions after `after` up to `upto`, oldest first (those
+        still kept: the log keeps the last LOG_KEEP)."""
+        key = self.keys.log(fragment)
+        first = await self.redis.lindex(key, 0)
+        if first is None or upto <= after:
+            return []
+        base = int(json.loads(first)["version"])
+        start, end = max(0, after + 1 - base), upto - base
+        if end < start:
+            return []
+        entries = await self.redis.lrange(key, start, end)
         return [json.loads(e) for e in entries]
 
     async def pending(self, fragments: int) -> list[str]:

@@ -91,7 +91,5 @@ class TensorStore:
 
     async def names(self, prefix: str) -> list[str]:
         """Every object name under `prefix`."""
-        out: list[str] = []
-        async for batch in obstore.list(self._store, prefix):
-            out.extend(str(meta["path"]) for meta in batch)
-        return sorted(out)
+        listed = await obstore.list(self._store, prefix).collect_async()
+        return sorted(str(meta["path"]) for meta in listed)
