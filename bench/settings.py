@@ -28,6 +28,40 @@ class SynchronizerBench(_Output):
         run(self)
 
 
+class ScaleBench(_Output):
+    """Synchronizer ingest at model size over 1, 2, 4... replicas, rounds merging: MB/s,
+    scaling efficiency, peak RSS per replica, Redis memory and merge latency."""
+
+    params: float = Field(1e9, ge=1e4, description="model parameters N (e.g. 3e8, 1e9)")
+    fragments: int = Field(8, ge=1, le=256, description="P")
+    replicas: str = Field("1,2,4", description="replica counts to measure, comma separated")
+    learners: int = Field(8, ge=1, le=64, description="synthetic learner processes")
+    seconds: float = Field(20.0, gt=0.0, description="seconds each replica count streams")
+    codec: str = Field("int4", description="codec of the pre-encoded updates")
+
+    def cli_cmd(self) -> None:
+        from bench.scale import run
+
+        run(self)
+
+
+class ScaleLearner(BaseModel):
+    """internal: one synthetic learner of `atoll bench scale`"""
+
+    addresses: str = Field(description="synchronizer addresses, comma separated")
+    index: int = Field(0, description="this learner's number")
+    params: int = Field(description="model parameters")
+    fragments: int = Field(description="P")
+    update: Path = Field(description="the pre-encoded update (packed segments)")
+    seconds: float = Field(description="how long to stream")
+    result: Path = Field(description="where to write the result JSON")
+
+    def cli_cmd(self) -> None:
+        from bench.scale import run_learner
+
+        run_learner(self)
+
+
 class _Model(BaseModel):
     layers: int = Field(4, ge=1, description="transformer layers")
     width: int = Field(128, ge=8, description="model width")
@@ -199,7 +233,13 @@ class BenchCommand(AtollSettings):
     goodput: CliSubCommand[GoodputBench] = Field(
         description="goodput of decoupled against sync mode under the same seeded faults"
     )
+    scale: CliSubCommand[ScaleBench] = Field(
+        description="synchronizer ingest at model size over several replicas, rounds merging"
+    )
     raw_sink: CliSubCommand[RawSink] = Field(description="internal: raw gRPC sink")
+    scale_learner: CliSubCommand[ScaleLearner] = Field(
+        description="internal: a synthetic learner of `atoll bench scale`"
+    )
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

@@ -518,3 +518,23 @@ def decode_segments(codec: Codec, segments: list[Segment], n: int, block_size: i
     for s in segments:
         out[s.offset : s.offset + s.count] = codec.decode(s.data, s.count, block_size)
     return out
+
+
+def pack_segments(segments: list[Segment]) -> bytes:
+    """Segments as one blob: per segment three little-endian uint64 (offset, count, byte
+    length), then its bytes (a stored delta; a benchmark's pre-encoded update)."""
+    parts = []
+    for s in segments:
+        parts.append(np.array([s.offset, s.count, len(s.data)], "<u8").tobytes())
+        parts.append(s.data)
+    return b"".join(parts)
+
+
+def unpack_segments(blob: bytes) -> list[Segment]:
+    out, at = [], 0
+    while at < len(blob):
+        offset, count, length = (int(x) for x in np.frombuffer(blob, "<u8", 3, at))
+        at += 24
+        out.append(Segment(offset, count, blob[at : at + length]))
+        at += length
+    return out

@@ -124,6 +124,7 @@ class FragmentOwner:
         self.quorum_at: float | None = None
         self.deadline: float | None = None
         self.t_sync_s = 0.0
+        self.last_received = 0.0  # when the open round's newest member was received
         self.lost = False
         self.merging = False
         self.wake = asyncio.Event()
@@ -272,6 +273,7 @@ class FragmentOwner:
         self.worker.submit(update.chunks.clear)  # received: nothing of it moves again
         update.accumulator.counted(update.weight, update.norms, 1)
         self.members.append(update)  # of the open round: one sealed meanwhile moved it
+        self.last_received = time.monotonic()
         tm.UPDATES_ACCEPTED.inc()
         self.tape.write("accepted", uid=update.uid, fragment=self.fragment, learner=update.learner)
         self.wake.set()
@@ -321,11 +323,13 @@ class FragmentOwner:
     async def merge(self, live_learners: int) -> None:
         self.merging = True
         started = time.monotonic()
+        # A round is ready once its last update is in, or its grace window ends.
+        ready = max(self.last_received, min(self.deadline or 0.0, started))
         try:
             members, sealed = self._seal()
             if not members:
                 return
-            await self._commit(members, sealed, live_learners, started)
+            await self._commit(members, sealed, live_learners, ready)
         finally:
             self.merging = False
 
@@ -341,13 +345,13 @@ class FragmentOwner:
                 self.worker.submit(self._move, update, sealed)
         return members, sealed
 
-    def _step(self, sealed: Accumulator, scale: float) -> list[tuple[int, int, bytes]]:
+    def _step(self, sealed: Accumulator, scale: float) -> list[codecs.Segment]:
         """The outer step and the downlink delta, in place, one segment at a time."""
         sealed.prepare()
         step = codecs.segment_values(
             self.downlink, self.config.block_size, self.config.max_chunk_bytes
         )
-        delta = []
+        delta: list[codecs.Segment] = []
         for start in range(0, self.size, step):
             s = slice(start, min(self.size, start + step))
             move = self.optimizer.move(self.state, sealed.outer_gradient(s.start, s.stop, scale), s)
@@ -355,13 +359,14 @@ class FragmentOwner:
             data = step_segment(
                 self.theta[s], move, self.residual[s], self.downlink, self.config.block_size
             )
-            delta.append((s.start, s.stop - s.start, data))
+            delta.append(codecs.Segment(s.start, s.stop - s.start, data))
         return delta
 
     async def _commit(
-        self, updates: list[Update], sealed: Accumulator, live_learners: int, started: float
+        self, updates: list[Update], sealed: Accumulator, live_learners: int, ready: float
     ) -> None:
         assert self.version is not None
+        started = time.monotonic()
         learners = {u.learner for u in updates}
         scale = partial_round_scale(len(learners), live_learners) if live_learners else 1.0
         delta = await self._on_worker(self._step, sealed, scale)
@@ -375,7 +380,7 @@ class FragmentOwner:
         await self.tensors.put(value_name, self.theta)
         for name, array in zip(state_names, [*self.state, self.residual], strict=True):
             await self.tensors.put(name, array)
-        await self.tensors.put(delta_name, _pack_delta(delta))
+        await self.tensors.put(delta_name, codecs.pack_segments(delta))
         useful = sum(u.compute_seconds for u in updates) / max(1, self.fragments)
         staleness = [self.version - u.base_version for u in updates]
         entry = {
@@ -394,6 +399,7 @@ class FragmentOwner:
             "value": value_name,
             "checksum": codecs.checksum(self.theta.tobytes()),
         }
+        entry["latency_s"] = round(time.monotonic() - ready, 6)  # round ready to committing
         status, now_version = await self.store.commit(
             Commit(
                 fragment=p,
@@ -455,23 +461,3 @@ class FragmentOwner:
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
-
-
-def _pack_delta(segments: list[tuple[int, int, bytes]]) -> bytes:
-    """A delta object: per segment three little-endian uint64 (offset, count, byte length),
-    then its bytes."""
-    parts = []
-    for offset, count, data in segments:
-        parts.append(np.array([offset, count, len(data)], "<u8").tobytes())
-        parts.append(data)
-    return b"".join(parts)
-
-
-def unpack_delta(blob: bytes) -> list[codecs.Segment]:
-    out, at = [], 0
-    while at < len(blob):
-        offset, count, length = (int(x) for x in np.frombuffer(blob, "<u8", 3, at))
-        at += 24
-        out.append(codecs.Segment(offset, count, blob[at : at + length]))
-        at += length
-    return out

@@ -25,7 +25,6 @@ from services.config import SynchronizerSettings
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
 from services.tape import Tape
-from synchronizer.owner import unpack_delta
 from synchronizer.ownership import Ownership
 from synchronizer.store import ControlStore
 from synchronizer.tensors import TensorStore
@@ -120,7 +119,7 @@ def value_chunks(
 def delta_chunks(
     fragment: int, version: int, blob: bytes, codec: codecs.Codec, block_size: int, n: int
 ) -> list[fragment_pb2.GlobalFragmentChunk]:
-    segments = unpack_delta(blob)
+    segments = codecs.unpack_segments(blob)
     header = fragment_pb2.PayloadHeader(
         fragment=fragment,
         codec=codec.wire,  # type: ignore[arg-type]

@@ -1,0 +1,399 @@
+"""`atoll bench scale`: synchronizer ingest at model size, over 1, 2, 4... replicas.
+
+For each replica count R, in this one invocation: a fresh Redis and tensor store, R replicas
+(each its own process), a model of N parameters in P fragments initialized through the real
+protocol, then L synthetic learners (processes) that stream pre-encoded int4 updates to each
+fragment's owner over Ingest calls, round robin over the fragments, while rounds merge at the
+default cadence (decoupled, quorum 1, adaptive grace). The learners read every pushed global
+fragment (counted, not decoded) and heartbeat like real ones. Reported per R: payload MB/s
+received, merges, each replica's peak RSS (the kernel's high-water mark) against the bound
+6 x the fp32 bytes of the fragments it owns + 500 MB, Redis's peak memory and largest value,
+and merge latency (a round ready, by its last update or its grace window's end, to its
+version committed).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+import redis
+
+from cluster.processes import Child, atoll_command, child_env, synchronizer_child
+from cluster.redis_server import RedisServer
+from learner.client import SynchronizerClient
+from services import codec as codecs
+from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
+from services.grpcopts import channel_options
+from services.layout import LeafSpec, fragment_layout
+from services.wire import DEFAULT_MAX_CHUNK_BYTES
+from synchronizer import inspect
+from synchronizer.keys import JobKeys
+
+if TYPE_CHECKING:
+    from bench.settings import ScaleBench, ScaleLearner
+
+SERVICE = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
+LEAVES_PER_FRAGMENT = 4
+
+
+def model_spec(params: int, fragments: int) -> list[LeafSpec]:
+    """P x 4 equal leaves: the layout puts 4 in each fragment."""
+    leaves = fragments * LEAVES_PER_FRAGMENT
+    size = max(1, params // leaves)
+    return [LeafSpec(f"blocks/{i}/w", (size,)) for i in range(leaves)]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def _peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set (VmHWM), in MB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    except OSError:
+        pass
+    return 0.0
+
+
+def _redis_figures(url: str) -> tuple[float, int]:
+    """Redis's peak memory (MB) and its largest value (bytes, by MEMORY USAGE)."""
+    r = redis.Redis.from_url(url)
+    peak = float(r.info("memory")["used_memory_peak"]) / 1e6
+    largest = 0
+    for key in r.scan_iter(count=1000):
+        largest = max(largest, int(r.memory_usage(key, samples=0) or 0))
+    r.close()
+    return peak, largest
+
+
+def _initialize(address: str, spec: list[LeafSpec], fragments: int) -> None:
+    """Send the job's initial parameters through the protocol, one fragment at a time."""
+    client = SynchronizerClient(
+        [address],
+        job="default",
+        learner_id="bench-init",
+        incarnation=uuid.uuid4().hex,
+        params=spec,
+        max_backoff_s=0.5,
+    )
+    client.connect()
+    layout = fragment_layout(spec, fragments)
+    rng = np.random.default_rng(0)
+    try:
+        for p in range(fragments):
+            n = layout.fragments[p].num_elements
+            values = rng.normal(scale=0.02, size=n).astype(np.float32)
+            client.wait_ack(client.send_initial(p, values), 600)
+    finally:
+        client.close()
+
+
+def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str, Any]:
+    spec = model_spec(int(settings.params), settings.fragments)
+    layout = fragment_layout(spec, settings.fragments)
+    n = layout.fragments[0].num_elements
+    update = workdir / "update.bin"
+    if not update.exists():
+        codec = codecs.by_name(settings.codec)
+        values = np.random.default_rng(1).normal(scale=1e-3, size=n).astype(np.float32)
+        segments, _ = codecs.encode_segments(codec, values, 256, DEFAULT_MAX_CHUNK_BYTES)
+        update.write_bytes(codecs.pack_segments(segments))
+        del values
+    run_dir = workdir / f"r{replicas}"
+    run_dir.mkdir()
+    with RedisServer(run_dir / "redis") as redis_server:
+        job_args = [
+            "--fragments",
+            str(settings.fragments),
+            "--codec",
+            settings.codec,
+            "--max-staleness",
+            "1000000",
+            "--log-level",
+            "warning",
+        ]
+        children = [
+            synchronizer_child(run_dir, redis_server.url, f"replica-{i}", job_args)
+            for i in range(replicas)
+        ]
+        for child in children:
+            child.start_and_wait()
+        learners: list[Child] = []
+        try:
+            time.sleep(1.0)  # every replica registered before the spec exists
+            _initialize(children[0].address, spec, settings.fragments)
+            addresses = ",".join(c.address for c in children)
+            for i in range(settings.learners):
+                result = run_dir / f"learner-{i}.json"
+                learners.append(
+                    Child(
+                        f"learner-{i}",
+                        atoll_command(
+                            "bench",
+                            "scale-learner",
+                            "--addresses",
+                            addresses,
+                            "--index",
+                            str(i),
+                            "--params",
+                            str(int(settings.params)),
+                            "--fragments",
+                            str(settings.fragments),
+                            "--update",
+                            str(update),
+                            "--seconds",
+                            str(settings.seconds),
+                            "--result",
+                            str(result),
+                        ),
+                        run_dir / f"learner-{i}.log",
+                        child_env(1),
+                    ).start()
+                )
+            deadline = time.monotonic() + settings.seconds + 120
+            while any(c.alive() for c in learners) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            results = []
+            for i, learner in enumerate(learners):
+                path = run_dir / f"learner-{i}.json"
+                if not path.exists():
+                    raise RuntimeError(f"synthetic learner {i} wrote no result:\n{learner.tail()}")
+                results.append(json.loads(path.read_text()))
+            r = redis.Redis.from_url(redis_server.url)
+            logs = [inspect.commit_log(r, "default", p) for p in range(settings.fragments)]
+            owners = [r.get(JobKeys("default").owner(p)) for p in range(settings.fragments)]
+            r.close()
+            owned = {c.name: 0 for c in children}
+            for owner in owners:
+                if isinstance(owner, bytes):
+                    owned[owner.decode().rsplit(" ", 1)[0]] += 1
+            rss = [_peak_rss_mb(c.process.pid) for c in children if c.process is not None]
+            peak, largest = _redis_figures(redis_server.url)
+        finally:
+            for learner in learners:
+                learner.stop()
+            for child in children:
+                child.stop()
+    latencies = [float(e["latency_s"]) for log in logs for e in log if "latency_s" in e]
+    seconds = max(r["seconds"] for r in results)
+    fragment_mb = n * 4 / 1e6
+    bounds = [6 * fragment_mb * owned[c.name] + 500 for c in children]
+    return {
+        "replicas": replicas,
+        "ingest_mb_s": round(sum(r["bytes"] for r in results) / seconds / 1e6, 2),
+        "updates_received": sum(r["received"] for r in results),
+        "merges": sum(len(log) for log in logs),
+        "fragments_owned": [owned[c.name] for c in children],
+        "peak_rss_mb": [round(x, 1) for x in rss],
+        "rss_bound_mb": [round(b, 1) for b in bounds],
+        "redis_used_memory_peak_mb": round(peak, 2),
+        "max_redis_value_bytes": largest,
+        "merge_latency_s": {
+            "p50": round(_percentile(latencies, 50), 4),
+            "p99": round(_percentile(latencies, 99), 4),
+        },
+    }
+
+
+def run(settings: ScaleBench) -> None:
+    import tempfile
+
+    counts = [int(x) for x in settings.replicas.split(",") if x.strip()]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="atoll-bench-scale-") as tmp:
+        for replicas in counts:
+            rows.append(run_replicas(settings, Path(tmp), replicas))
+            print(json.dumps(rows[-1]), flush=True)
+    first, last = rows[0], rows[-1]
+    efficiency = (
+        last["ingest_mb_s"] / (last["replicas"] / first["replicas"] * first["ingest_mb_s"])
+        if first["ingest_mb_s"]
+        else 0.0
+    )
+    latencies = [row["merge_latency_s"]["p99"] for row in rows]
+    result = {
+        "params": int(settings.params),
+        "fragments": settings.fragments,
+        "codec": settings.codec,
+        "learners": settings.learners,
+        "seconds": settings.seconds,
+        "replicas": counts,
+        "ingest_mb_s": [row["ingest_mb_s"] for row in rows],
+        "scaling_efficiency": round(efficiency, 3),
+        "merges": sum(row["merges"] for row in rows),
+        "peak_rss_mb_per_replica": max(max(row["peak_rss_mb"]) for row in rows),
+        "rss_within_bound": all(
+            rss <= bound
+            for row in rows
+            for rss, bound in zip(row["peak_rss_mb"], row["rss_bound_mb"], strict=True)
+        ),
+        "redis_used_memory_peak_mb": max(row["redis_used_memory_peak_mb"] for row in rows),
+        "max_redis_value_bytes": max(row["max_redis_value_bytes"] for row in rows),
+        "merge_latency_s": {
+            "p50": max(row["merge_latency_s"]["p50"] for row in rows),
+            "p99": max(latencies),
+        },
+        "runs": rows,
+    }
+    print(json.dumps(result, indent=2))
+    if settings.json_path is not None:
+        settings.json_path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+# --- a synthetic learner -------------------------------------------------------------------
+class _Session:
+    """A learner's control session that reads everything pushed (counting, not decoding)."""
+
+    def __init__(self, address: str, spec: list[LeafSpec], learner: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=channel_options(1.0))
+        self.owners: dict[int, str] = {}
+        self.versions: dict[int, int] = {}
+        self.bytes_down = 0
+        self.ready = threading.Event()
+        self._closed = threading.Event()
+        self._hello = session_pb2.LearnerMessage(
+            hello=session_pb2.Hello(
+                job="default",
+                learner_id=learner,
+                incarnation=uuid.uuid4().hex,
+                params=[
+                    fragment_pb2.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in spec
+                ],
+            )
+        )
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _requests(self) -> Any:
+        yield self._hello
+        started = time.monotonic()
+        step = 0
+        while not self._closed.wait(1.0):
+            step += 10
+            yield session_pb2.LearnerMessage(
+                heartbeat=session_pb2.Heartbeat(
+                    step=step,
+                    step_time_ema_s=0.1,
+                    tokens_per_s=step / (time.monotonic() - started),
+                    loss=1.0,
+                    eval_loss=float("nan"),
+                )
+            )
+
+    def _run(self) -> None:
+        call = self.channel.stream_stream(
+            f"/{SERVICE}/Session",
+            request_serializer=session_pb2.LearnerMessage.SerializeToString,
+            response_deserializer=session_pb2.SynchronizerMessage.FromString,
+        )
+        for message in call(self._requests()):
+            kind = message.WhichOneof("kind")
+            if kind in ("welcome", "owners"):
+                owners = message.welcome.owners if kind == "welcome" else message.owners.owners
+                self.owners = {o.fragment: o.address for o in owners}
+                self.ready.set()
+            elif kind == "fragment":
+                chunk = message.fragment
+                self.bytes_down += len(chunk.data)
+                p = chunk.header.fragment
+                self.versions[p] = max(self.versions.get(p, 0), chunk.version)
+            if self._closed.is_set():
+                return
+
+    def close(self) -> None:
+        self._closed.set()
+        self.channel.close()
+
+
+def run_learner(settings: ScaleLearner) -> None:
+    spec = model_spec(settings.params, settings.fragments)
+    segments = codecs.unpack_segments(settings.update.read_bytes())
+    codec = codecs.by_name("int4")
+    header = fragment_pb2.PayloadHeader(
+        codec=codec.wire,  # type: ignore[arg-type]
+        block_size=256,
+        num_elements=sum(s.count for s in segments),
+        checksum=codecs.checksum(b"".join(s.data for s in segments)),
+        chunk_count=len(segments),
+        total_bytes=sum(len(s.data) for s in segments),
+    )
+    payload = header.total_bytes
+    learner = f"bench-{settings.index}"
+    session = _Session(settings.addresses.split(",")[0], spec, learner)
+    session.ready.wait(30)
+    # Each chunk serialized once per fragment; the fields a send changes are serialized on
+    # their own and appended (protobuf merges concatenated messages).
+    static: dict[int, list[bytes]] = {}
+    for p in range(settings.fragments):
+        h = fragment_pb2.PayloadHeader()
+        h.CopyFrom(header)
+        h.fragment = p
+        static[p] = [
+            session_pb2.UpdateChunk(
+                header=h,
+                kind=session_pb2.UPDATE_KIND_OUTER_GRADIENT,
+                chunk_index=i,
+                data=s.data,
+                value_offset=s.offset,
+                value_count=s.count,
+                c_steps=10,
+                c_tokens=1000,
+                compute_seconds=1.0,
+                learner_id=learner,
+                incarnation=session._hello.hello.incarnation,
+            ).SerializeToString()
+            for i, s in enumerate(segments)
+        ]
+    channels: dict[str, Any] = {}
+    sent = received = seq = 0
+    started = time.monotonic()
+    deadline = started + settings.seconds
+    p = settings.index % settings.fragments
+    while time.monotonic() < deadline:
+        address = session.owners.get(p)
+        if address is None:
+            time.sleep(0.05)
+            continue
+        if address not in channels:
+            channels[address] = grpc.insecure_channel(address, options=channel_options(1.0))
+        call = channels[address].stream_unary(
+            f"/{SERVICE}/Ingest",
+            request_serializer=None,
+            response_deserializer=session_pb2.Ack.FromString,
+        )
+        seq += 1
+        tail = session_pb2.UpdateChunk(
+            seq=seq, base_version=session.versions.get(p, 0)
+        ).SerializeToString()
+        try:
+            ack = call(iter([c + tail for c in static[p]]), timeout=120)
+        except grpc.RpcError:
+            time.sleep(0.1)
+            continue
+        sent += 1
+        if ack.status == session_pb2.ACK_STATUS_RECEIVED:
+            received += 1
+        session.versions[p] = max(session.versions.get(p, 0), ack.version)
+        p = (p + 1) % settings.fragments
+    elapsed = time.monotonic() - started
+    session.close()
+    settings.result.write_text(
+        json.dumps(
+            {
+                "bytes": received * payload,
+                "received": received,
+                "sent": sent,
+                "seconds": elapsed,
+                "bytes_down": session.bytes_down,
+            }
+        )
+    )
