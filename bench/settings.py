@@ -62,6 +62,44 @@ class ScaleLearner(BaseModel):
         run_learner(self)
 
 
+class MfuBench(_Output):
+    """The learner's training rate (syncing, checkpoints on) against a bare JAX step of the
+    same model, per size: MFU, ratio, sync and checkpoint overheads."""
+
+    sizes: str = Field(
+        "",
+        description="model sizes, comma separated, of 86m, 303m, 1b, cpu-small, cpu-medium "
+        "(default: 86m,303m with an NVIDIA GPU, else cpu-small,cpu-medium)",
+    )
+    steps: int = Field(60, ge=5, description="measured steps per run (after 5 warm-up steps)")
+    fragments: int = Field(4, ge=1, description="P of the synced runs")
+    inner_steps: int = Field(40, ge=1, description="H of the synced runs")
+    threads: int = Field(1, ge=1, description="CPU threads of each run (on a CPU)")
+    timeout_s: float = Field(900.0, gt=0.0, description="limit for each run")
+
+    def cli_cmd(self) -> None:
+        from bench.mfu import run
+
+        run(self)
+
+
+class MfuAnchor(BaseModel):
+    """internal: the bare JAX step `atoll bench mfu` compares against"""
+
+    layers: int = Field(description="layers")
+    width: int = Field(description="width")
+    heads: int = Field(description="heads")
+    context: int = Field(description="context")
+    batch_size: int = Field(description="sequences per step")
+    steps: int = Field(description="measured steps")
+    json_path: Path = Field(alias="json", description="where to write the result")
+
+    def cli_cmd(self) -> None:
+        from bench.mfu import run_anchor
+
+        run_anchor(self)
+
+
 class _Model(BaseModel):
     layers: int = Field(4, ge=1, description="transformer layers")
     width: int = Field(128, ge=8, description="model width")
@@ -236,7 +274,11 @@ class BenchCommand(AtollSettings):
     scale: CliSubCommand[ScaleBench] = Field(
         description="synchronizer ingest at model size over several replicas, rounds merging"
     )
+    mfu: CliSubCommand[MfuBench] = Field(
+        description="the learner's step against a bare JAX step: MFU and overheads"
+    )
     raw_sink: CliSubCommand[RawSink] = Field(description="internal: raw gRPC sink")
+    mfu_anchor: CliSubCommand[MfuAnchor] = Field(description="internal: the bare JAX step")
     scale_learner: CliSubCommand[ScaleLearner] = Field(
         description="internal: a synthetic learner of `atoll bench scale`"
     )

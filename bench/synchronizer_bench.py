@@ -1,12 +1,13 @@
 """`atoll bench synchronizer`: how fast one replica ingests updates, against raw gRPC.
 
-All three parts run in this one invocation on the same machine: N clients stream 4 MiB int8
-updates of one fragment to a real synchronizer (its own process, a real Redis), waiting for
-each ack; then the same clients stream the same bytes, in the same chunks, to a bare gRPC
-sink process that only counts them and acks; then the same clients write the same payloads
-straight into a fresh Redis, one SET per update to a key of its own, as the synchronizer
-stores them: the store's own ceiling, with nothing of atoll's in the way. `ratio` is
-ingest / raw, `store_ratio` ingest / store.
+Every part runs in this one invocation on the same machine. N clients (the learner's own
+protocol client) stream 4 MiB int8 updates of one fragment to a real synchronizer (its own
+process, a real Redis), each waiting for RECEIVED acks with a few updates outstanding:
+first with rounds held open (`ratio`), then with rounds merging at the default cadence
+(`merging_ratio`). Then the same clients stream the same bytes, in the same chunks, to a bare
+gRPC sink process that only counts them and acks (raw). Last, the same payloads written
+straight into a fresh Redis, one SET each, as the first design stored every update: that
+ceiling (`store_ratio`) is what data plane v2 left behind.
 """
 
 from __future__ import annotations
@@ -62,29 +63,30 @@ def _run_clients(n: int, seconds: float, body: Callable[[int, float], int]) -> f
     return sum(totals) / (time.monotonic() - start) / 1e6
 
 
-def measure_ingest(workdir: Path, clients: int, seconds: float, n: int) -> float:
+def measure_ingest(
+    workdir: Path, clients: int, seconds: float, n: int, merging: bool = False
+) -> float:
+    """Payload MB/s the synchronizer acknowledges as received. Rounds are held open (sync
+    mode waiting for one learner more than there are) unless `merging`: then they merge at
+    the default cadence (decoupled, quorum 1, adaptive grace)."""
     specs = [LeafSpec("fragment", (n,))]
     codec = codecs.by_name("int8")
-    payload = codec.encode(np.random.default_rng(0).normal(size=n).astype(np.float32), 256)
-    with RedisServer(workdir / "redis") as redis_server:
+    values = np.random.default_rng(0).normal(size=n).astype(np.float32)
+    segments, _ = codecs.encode_segments(codec, values, 256, DEFAULT_MAX_CHUNK_BYTES)
+    payload_bytes = sum(len(s.data) for s in segments)
+    rounds = (
+        ["--max-staleness", "1000000"]
+        if merging
+        else ["--mode", "sync", "--quorum", str(clients + 1), "--max-staleness", "1000000"]
+    )
+    run_dir = workdir / ("merging" if merging else "open")
+    run_dir.mkdir()
+    with RedisServer(run_dir / "redis") as redis_server:
         sync = synchronizer_child(
-            workdir,
+            run_dir,
             redis_server.url,
             "bench-sync",
-            [
-                "--fragments",
-                "1",
-                "--mode",
-                "sync",
-                "--quorum",
-                str(clients + 1),
-                "--grace-seconds",
-                "0.05",
-                "--log-level",
-                "warning",
-                "--max-staleness",
-                "1000000",
-            ],
+            ["--fragments", "1", "--log-level", "warning", *rounds],
         ).start_and_wait()
         try:
             conns = [
@@ -108,7 +110,7 @@ def measure_ingest(workdir: Path, clients: int, seconds: float, n: int) -> float
                     window.append(
                         c.send_update(
                             fragment=0,
-                            payload=payload,
+                            payload=segments,
                             codec=codec.wire,
                             block_size=256,
                             num_elements=n,
@@ -119,12 +121,9 @@ def measure_ingest(workdir: Path, clients: int, seconds: float, n: int) -> float
                         )
                     )
                     if len(window) >= IN_FLIGHT:
-                        ack = c.wait_ack(window.pop(0), 60)
-                        if ack.status == session_pb2.ACK_STATUS_ACCEPTED:
-                            sent += len(payload)
+                        sent += _received(c, window.pop(0), payload_bytes)
                 for s in window:
-                    if c.wait_ack(s, 60).status == session_pb2.ACK_STATUS_ACCEPTED:
-                        sent += len(payload)
+                    sent += _received(c, s, payload_bytes)
                 return sent
 
             rate = _run_clients(clients, seconds, stream)
@@ -133,6 +132,12 @@ def measure_ingest(workdir: Path, clients: int, seconds: float, n: int) -> float
             return rate
         finally:
             sync.stop()
+
+
+def _received(c: SynchronizerClient, seq: int, payload_bytes: int) -> int:
+    ack = c.wait_ack(seq, 60, received=True)
+    ok = (session_pb2.ACK_STATUS_RECEIVED, session_pb2.ACK_STATUS_COMMITTED)
+    return payload_bytes if ack.status in ok else 0
 
 
 def measure_raw(workdir: Path, clients: int, seconds: float, payload_bytes: int) -> float:
@@ -232,6 +237,7 @@ def run(settings: SynchronizerBench) -> None:
     with tempfile.TemporaryDirectory(prefix="atoll-bench-") as tmp:
         workdir = Path(tmp)
         ingest = measure_ingest(workdir, settings.clients, settings.seconds, n)
+        merging = measure_ingest(workdir, settings.clients, settings.seconds, n, merging=True)
         raw = measure_raw(workdir, settings.clients, settings.seconds, payload_bytes)
         store = measure_store(workdir, settings.clients, settings.seconds, payload_bytes)
     result = {
@@ -241,6 +247,8 @@ def run(settings: SynchronizerBench) -> None:
         "ingest_mb_s": round(ingest, 2),
         "raw_grpc_mb_s": round(raw, 2),
         "ratio": round(ingest / raw, 3) if raw else 0.0,
+        "merging_mb_s": round(merging, 2),
+        "merging_ratio": round(merging / raw, 3) if raw else 0.0,
         "store_mb_s": round(store, 2),
         "store_ratio": round(ingest / store, 3) if store else 0.0,
     }

@@ -42,6 +42,7 @@ SERVICE = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
 log = structlog.get_logger("atoll.learner.client")
 INGEST_TIMEOUT_S = 120.0
 NO_OWNER_WAIT_S = 0.2
+INGEST_CALLS = 4  # updates on their way to owners at once (each its own Ingest call)
 
 
 class SessionError(RuntimeError):
@@ -182,15 +183,20 @@ class SynchronizerClient:
         self._fatal: SessionError | None = None
         self._address_cycle = itertools.cycle(self.addresses)
         self._thread: threading.Thread | None = None
-        self._ingester: threading.Thread | None = None
+        self._ingesters: list[threading.Thread] = []
+        self._sending: set[int] = set()  # seqs on an Ingest call now
 
     # --- lifecycle ----------------------------------------------------------------------
     def connect(self) -> session_pb2.Welcome:
         """Open the session (in the background, reconnecting as needed); return the welcome."""
         self._thread = threading.Thread(target=self._run, name="atoll-session", daemon=True)
         self._thread.start()
-        self._ingester = threading.Thread(target=self._ingest, name="atoll-ingest", daemon=True)
-        self._ingester.start()
+        self._ingesters = [
+            threading.Thread(target=self._ingest, name=f"atoll-ingest-{i}", daemon=True)
+            for i in range(INGEST_CALLS)
+        ]
+        for thread in self._ingesters:
+            thread.start()
         if not self._connected.wait(self.connect_timeout_s):
             self.close()
             if self._fatal is not None:
@@ -211,7 +217,7 @@ class SynchronizerClient:
         outbox = self._outbox
         if outbox is not None:
             outbox.put(None)
-        for thread in (self._thread, self._ingester):
+        for thread in (self._thread, *self._ingesters):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=5)
         if self._channel is not None:
@@ -385,7 +391,7 @@ class SynchronizerClient:
         for seq in sorted(self._unacked):
             out = self._unacked[seq]
             owner = self.owners.get(out.fragment)
-            if owner is None:
+            if owner is None or seq in self._sending:
                 continue
             if out.received_epoch is None or out.received_epoch != owner.epoch:
                 return out, owner
@@ -399,10 +405,14 @@ class SynchronizerClient:
                 if picked is None:
                     self._lock.wait(NO_OWNER_WAIT_S)
                     continue
-            out, owner = picked
+                out, owner = picked
+                self._sending.add(out.seq)
+                call = self._ingest_call(owner.address)
             try:
-                ack = self._ingest_call(owner.address)(iter(out.chunks), timeout=INGEST_TIMEOUT_S)
+                ack = call(iter(out.chunks), timeout=INGEST_TIMEOUT_S)
             except grpc.RpcError as err:
+                with self._lock:
+                    self._sending.discard(out.seq)
                 code = err.code() if hasattr(err, "code") else None
                 log.info(
                     "ingest_retry",
@@ -416,6 +426,7 @@ class SynchronizerClient:
                 continue
             delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
             with self._lock:
+                self._sending.discard(out.seq)
                 if ack.status == session_pb2.ACK_STATUS_RECEIVED:
                     self.stats.received += 1
                     current = self._unacked.get(out.seq)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("atoll.learner")
 EMA_DECAY = 0.9
+WARM_STEPS = 5  # steps before the steady training rate is measured
 
 
 @dataclass
@@ -82,6 +83,8 @@ class InnerLoop:
         self.step = 0
         self.tokens = 0
         self.ema_step_s = 0.0
+        self.loop_steps_seen = 0
+        self.steady_steps, self.steady_seconds = 0, 0.0
         self.loss = math.nan
         self.eval_loss = math.nan
         self._last_checkpoint = -math.inf  # when it was taken (monotonic)
@@ -156,7 +159,13 @@ class InnerLoop:
             self.sync.joined(restored, self.step, self.tokens)
         self._compile_step(params, opt_state)
         steps = self.settings.steps
+        # The training rate as it runs: steps and wall time from the WARM_STEPS-th step on,
+        # every hook and checkpoint included (what `atoll bench mfu` compares).
+        steady: tuple[int, float] | None = None
         while not self.stop_requested.is_set() and (not steps or self.step < steps):
+            if steady is None and self.loop_steps_seen >= WARM_STEPS:
+                steady = (self.step, time.monotonic())
+            self.loop_steps_seen += 1
             if self.sync is not None and self.sync.job_finished():
                 log.info("job_budget_reached", learner=self.settings.id, step=self.step)
                 break
@@ -182,6 +191,9 @@ class InnerLoop:
             if turn and self.step % turn == self.settings.eval_offset % turn:
                 self._evaluate(params)
             self._maybe_checkpoint(params, opt_state)
+        if steady is not None:
+            self.steady_steps = self.step - steady[0]
+            self.steady_seconds = time.monotonic() - steady[1]
         if self.sync is not None:
             params = self.sync.finish(params)
         self._evaluate(params)
@@ -257,6 +269,7 @@ class InnerLoop:
             "wall_seconds": round(wall, 3),
             "started_at": self.timeline.started,
             "step_time_ema_s": self.ema_step_s,
+            "steady": {"steps": self.steady_steps, "seconds": round(self.steady_seconds, 6)},
             "loss": {
                 "initial": self.timeline.losses[0][3] if self.timeline.losses else None,
                 "final": self.loss,

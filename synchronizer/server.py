@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
+import threading
 
 import grpc
 import numpy as np
@@ -119,6 +121,7 @@ async def serve(settings: SynchronizerSettings) -> None:
     ]
     await stop.wait()
     log.info("draining", seconds=DRAIN_SECONDS)
+    _force_exit_after(DRAIN_SECONDS + FORCED_EXIT_S, loop)
     await health_servicer.enter_graceful_shutdown()
     await service.ownership.stop()
     for conn in list(service.sessions.connections.values()):
@@ -133,6 +136,27 @@ async def serve(settings: SynchronizerSettings) -> None:
     metrics_server.shutdown()
     await store.close()
     log.info("stopped")
+
+
+FORCED_EXIT_S = 5.0
+
+
+def _force_exit_after(seconds: float, loop: asyncio.AbstractEventLoop) -> None:
+    """A replica told to stop is gone within `seconds`, whatever its shutdown waits on: it
+    owns nothing durable that a forced exit could lose (the leases lapse)."""
+
+    def force() -> None:
+        pending = [
+            f"{t.get_name()}: {t.get_stack(limit=3)}"
+            for t in asyncio.all_tasks(loop)
+            if not t.done()
+        ]
+        log.error("shutdown_forced", seconds=seconds, pending=pending[:10])
+        os._exit(1)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True
+    timer.start()
 
 
 def run(settings: SynchronizerSettings) -> None:
