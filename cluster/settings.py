@@ -37,6 +37,11 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         "", description="use this Redis instead of starting one (redis://HOST:PORT/DB)"
     )
     report: Path | None = Field(None, description="write the run report JSON here")
+    export: Path | None = Field(
+        None,
+        description="write the final global model here as safetensors, its model config in "
+        "the metadata (as `atoll export`; score it with `atoll eval`)",
+    )
     plot: Path | None = Field(None, description="write a PNG of the loss curves here")
     workdir: Path | None = Field(
         None, description="folder for logs and learner state; default: a temporary one"

@@ -23,6 +23,7 @@ from typing import Any
 import redis
 
 from cluster.chaos import NETWORK_KINDS, ChaosError, Fault, parse, schedule
+from cluster.export import export_model
 from cluster.faultproxy import FaultProxy
 from cluster.processes import Child, SynchronizerChild, atoll_command, child_env, synchronizer_child
 from cluster.redis_server import RedisServer
@@ -440,6 +441,16 @@ def run(settings: UpSettings) -> int:
             cluster.start()
             state = cluster.wait(view)
         report = cluster.report(state)
+        if settings.export is not None:
+            export_model(
+                cluster.client(),
+                settings.job,
+                str(workdir / "tensors"),
+                settings.export,
+                model=settings.model,
+                heads=settings.heads,
+                dtype=settings.dtype,
+            )
     except KeyboardInterrupt:
         print("atoll up: interrupted; stopping every process", file=sys.stderr)
         return 130
