@@ -50,6 +50,13 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         default_factory=list,
         description="per-learner artificial speed (1 = full; 0.25 = 4x slower); default all 1",
     )
+    gpus_per_learner: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="pin learner i to GPUs [i*g, (i+1)*g) through CUDA_VISIBLE_DEVICES (one "
+        "learner per GPU: 1); 0: every learner sees every device",
+    )
     batch_sizes: list[int] = Field(
         default_factory=list,
         description="per-learner batch size (sequences per step), e.g. 16,16,16,4; default "
