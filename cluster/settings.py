@@ -50,6 +50,13 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         default_factory=list,
         description="per-learner artificial speed (1 = full; 0.25 = 4x slower); default all 1",
     )
+    shared_budget: bool = Field(
+        True,
+        description="decoupled mode: the learners share learners x --steps as the job's "
+        "budget, so a learner a fault slowed is made up for by the others (each may overshoot "
+        "by the steps of a heartbeat); off: each runs exactly --steps (equal tokens per "
+        "learner, as a quality comparison wants)",
+    )
     gpus_per_learner: int = Field(
         0,
         ge=0,

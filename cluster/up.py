@@ -88,7 +88,8 @@ class LocalCluster:
         # Decoupled: a job budget, so learners a fault slowed are made up for by the others.
         # Sync mode keeps its learners in lockstep, each running exactly --steps (a budget
         # would end them at different steps, with rounds only some of them can complete).
-        budget = settings.learners * settings.steps if settings.mode == "decoupled" else 0
+        shared = settings.mode == "decoupled" and settings.shared_budget
+        budget = settings.learners * settings.steps if shared else 0
         self.job_steps = settings.job_steps or budget
 
     def plan_faults(self) -> None:
