@@ -220,7 +220,15 @@ def run(settings: QualityBench) -> None:
     common = common_flags(settings)
     runs: dict[str, dict[str, Any]] = {}
     if settings.baseline is not None:
-        runs.update(json.loads(settings.baseline.read_text())["runs"])
+        earlier = json.loads(settings.baseline.read_text())
+        mine = result(settings, {})
+        for key in ("scale", "learners", "steps", "model"):
+            if earlier.get(key) != mine[key]:
+                raise ValueError(
+                    f"--baseline {settings.baseline} was run with {key} {earlier.get(key)}, "
+                    f"this bench with {mine[key]}: its runs are not comparable"
+                )
+        runs.update(earlier["runs"])
     with tempfile.TemporaryDirectory(prefix="atoll-quality-") as tmp:
         root = Path(tmp)
         if "dp" in settings.runs:

@@ -7,7 +7,9 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
-from bench.quality import eval_command, gaps, steps_of
+import pytest
+
+from bench.quality import eval_command, gaps, run, steps_of
 from bench.settings import QualityBench
 from cluster.processes import atoll_command
 from learner.model import TransformerConfig
@@ -71,8 +73,8 @@ def test_the_cpu_smoke_bench_trains_three_ways_and_its_exports_score_the_same(
     runs = result["runs"]
     assert sorted(runs) == ["decoupled-int4-h10", "dp", "sync-fp32-h10"]
     assert len({r["tokens"] for r in runs.values()}) == 1  # equal tokens
-    for run in runs.values():
-        assert round(run["eval_loss_exported"], 3) == round(run["eval_loss"], 3)
+    for one in runs.values():
+        assert round(one["eval_loss_exported"], 3) == round(one["eval_loss"], 3)
     assert runs["decoupled-int4-h10"]["bandwidth_reduction"] > 1
     assert set(result["gaps"]) == {
         "sync-fp32-h10_vs_dp",
@@ -80,3 +82,10 @@ def test_the_cpu_smoke_bench_trains_three_ways_and_its_exports_score_the_same(
         "decoupled-int4-h10_vs_sync-fp32-h10",
     }
     assert result["best_decoupled"] == "decoupled-int4-h10"
+
+
+def test_a_baseline_of_other_sizes_is_refused(tmp_path: Path) -> None:
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"scale": "gpu", "learners": 2, "steps": 10, "runs": {}}))
+    with pytest.raises(ValueError, match="not comparable"):
+        run(QualityBench(scale="gpu", runs=["decoupled"], baseline=earlier))
