@@ -13,6 +13,8 @@ from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsConfi
 
 from bench.settings import BenchCommand
 from cluster.check import CheckSettings
+from cluster.evaluate import EvalSettings
+from cluster.export import ExportSettings
 from cluster.settings import UpSettings
 from learner.settings import LearnerSettings
 from services.config import SynchronizerSettings
@@ -57,6 +59,24 @@ class CheckCommand(CheckSettings):
         raise SystemExit(run(self))
 
 
+class ExportCommand(ExportSettings):
+    """Write a job's global model (running or finished) as one safetensors file."""
+
+    def cli_cmd(self) -> None:
+        from cluster.export import run
+
+        raise SystemExit(run(self))
+
+
+class EvalCommand(EvalSettings):
+    """Eval loss (nats per byte) of an exported model on any text files or folders."""
+
+    def cli_cmd(self) -> None:
+        from cluster.evaluate import run
+
+        raise SystemExit(run(self))
+
+
 class SimCommand(SimSettings):
     """Goodput at datacenter scale (discrete-event simulation), or a run's tape replayed."""
 
@@ -93,6 +113,12 @@ class Atoll(BaseSettings):
     )
     check: CliSubCommand[CheckCommand] = Field(
         description="a run's invariants and goodput from its tape (atoll up --tape)"
+    )
+    export: CliSubCommand[ExportCommand] = Field(
+        description="a job's global model as one safetensors file, its config in the metadata"
+    )
+    eval: CliSubCommand[EvalCommand] = Field(
+        description="eval loss of an exported model on any text files, deterministic"
     )
     sim: CliSubCommand[SimCommand] = Field(
         description="goodput at scale by simulation: --table, --plot, or --tape replay"

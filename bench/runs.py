@@ -59,7 +59,12 @@ def eval_model_flags(settings: Any) -> list[str]:
 
 
 def data_parallel(
-    workdir: Path, model: Sequence[str], learners: int, steps: int, batch: int
+    workdir: Path,
+    model: Sequence[str],
+    learners: int,
+    steps: int,
+    batch: int,
+    threads: int = 2,
 ) -> dict[str, Any]:
     """Data-parallel training of `learners` learners, run as the exactly equivalent single
     learner with `learners` times the batch (one outer step of lr 1 without momentum and a
@@ -71,7 +76,7 @@ def data_parallel(
             "--learners",
             "1",
             "--threads",
-            "2",
+            str(threads),
             "--steps",
             str(steps),
             "--batch-size",

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import CliApp, CliSubCommand
 
 from services.config import AtollSettings
@@ -109,20 +110,119 @@ class _Model(BaseModel):
 
 
 class QualityBench(_Model, _Output):
-    """Eval loss at equal tokens: data-parallel, sync DiLoCo and decoupled, M learners each."""
+    """Eval loss at equal tokens: data-parallel, sync DiLoCo (fp32) and decoupled (sweeping
+    codec and H), M learners each. `--scale` picks a preset; flags given win over it."""
 
+    scale: Literal["custom", "gpu", "cpu-smoke"] = Field(
+        "custom",
+        description="gpu: a GPT-2-small-sized model (12 layers, width 768, 85.9M parameters, "
+        "context 1024) for 200M tokens per run, M=2, one learner per GPU (data-parallel spans "
+        "them all); cpu-smoke: a tiny model for a minute on a CPU; custom: the flags alone",
+    )
     learners: int = Field(4, ge=2, le=16, description="M")
-    steps: int = Field(150, ge=10, description="inner steps per learner")
-    inner_steps: int = Field(12, ge=1, description="H")
+    steps: int = Field(150, ge=1, description="inner steps per learner (unless --tokens)")
+    tokens: int = Field(
+        0,
+        ge=0,
+        description="tokens each run trains on in all (sets --steps: tokens / (M x batch x "
+        "context), rounded up); 0: --steps",
+    )
+    inner_steps: list[int] = Field([12], description="H values (sync and decoupled runs)")
     fragments: int = Field(3, ge=1, description="P")
-    codec: str = Field("int8", description="codec of outer gradients")
+    codecs: list[str] = Field(
+        ["int8"], description="codecs of the decoupled runs (both directions)"
+    )
+    runs: list[Literal["dp", "sync", "decoupled"]] = Field(
+        ["dp", "sync", "decoupled"],
+        description="which kinds of run this invocation makes (split a long bench over "
+        "several invocations with --baseline)",
+    )
+    baseline: Path | None = Field(
+        None,
+        description="an earlier result JSON of this bench: its runs join this one's (gaps "
+        "are computed over both)",
+    )
+    lr: float | None = Field(None, gt=0.0, description="inner AdamW peak lr; unset: learner's")
+    warmup_steps: int | None = Field(None, ge=0, description="inner warm-up steps")
+    outer_lr: float | None = Field(None, gt=0.0, description="outer lr; unset: the job's")
+    outer_momentum: float | None = Field(
+        None, ge=0.0, lt=1.0, description="outer Nesterov momentum; unset: the job's"
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="compute dtype (auto: bfloat16 on GPU, float32 on CPU)"
+    )
+    threads: int = Field(1, ge=1, description="CPU threads of each learner")
+    gpus_per_learner: int = Field(
+        0, ge=0, description="GPUs of each sync/decoupled learner (1: one per GPU); 0: unpinned"
+    )
+    data: list[Path] = Field(
+        default_factory=list,
+        description="training text; empty: this Python's standard library (gpu: with its "
+        "site-packages too)",
+    )
+    eval_data: list[Path] = Field(
+        default_factory=list,
+        description="evaluation text; empty: every 50th file of --data, held out",
+    )
     eval_batches: int = Field(16, ge=1, description="eval batches (x batch size sequences)")
+    eval_windows: int = Field(
+        0, ge=0, description="windows every run is scored on; 0: --eval-batches x --batch-size"
+    )
+    export_dir: Path | None = Field(
+        None,
+        description="export each run's final model here (safetensors) and check that "
+        "`atoll eval` of it gives the run's eval loss",
+    )
     seed: int = Field(0, description="initialization and data seed")
+
+    @model_validator(mode="after")
+    def _preset(self) -> QualityBench:
+        for name, value in QUALITY_PRESETS.get(self.scale, {}).items():
+            if name not in self.model_fields_set:
+                setattr(self, name, value)
+        return self
 
     def cli_cmd(self) -> None:
         from bench.quality import run
 
         run(self)
+
+
+QUALITY_PRESETS: dict[str, dict[str, Any]] = {
+    # GPT-2 small's shape at byte level: 85.9M parameters. One learner per GPU of a 2-GPU
+    # machine; 32 sequences of 1024 bytes per learner step, 3052 steps = 200M tokens.
+    "gpu": {
+        "layers": 12,
+        "width": 768,
+        "heads": 12,
+        "context": 1024,
+        "batch_size": 32,
+        "learners": 2,
+        "tokens": 200_000_000,
+        "inner_steps": [100],
+        "fragments": 4,
+        "codecs": ["int4", "int2", "sign"],
+        "lr": 1e-3,
+        "warmup_steps": 200,
+        "threads": 4,
+        "gpus_per_learner": 1,
+        "eval_windows": 512,
+    },
+    # The same three kinds of run at a size a test runs in a minute on a CPU.
+    "cpu-smoke": {
+        "layers": 1,
+        "width": 32,
+        "heads": 2,
+        "context": 32,
+        "batch_size": 4,
+        "learners": 2,
+        "steps": 20,
+        "inner_steps": [10],
+        "fragments": 2,
+        "codecs": ["int4"],
+        "eval_windows": 16,
+    },
+}
 
 
 class OverlapBench(_Model, _Output):

@@ -6,6 +6,7 @@ initialised), each in its own process group so a SIGKILL reaches exactly that ch
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -23,14 +24,26 @@ def atoll_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "atoll.cli", *args]
 
 
-def child_env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a child: XLA and BLAS limited to `threads`, Python unbuffered."""
+def accelerators_present() -> int:
+    """How many NVIDIA GPUs (or TPU chips) this machine shows, from their device nodes,
+    without starting JAX in this process."""
+    return len(glob.glob("/dev/nvidia[0-9]*")) or len(glob.glob("/dev/accel[0-9]*"))
+
+
+def child_env(
+    threads: int = 1, extra: dict[str, str] | None = None, accelerators: bool = False
+) -> dict[str, str]:
+    """Environment for a child: XLA and BLAS limited to `threads`, Python unbuffered. JAX
+    runs on the CPU (no probing for devices) unless `accelerators` is asked for and the
+    machine has them; a `JAX_PLATFORMS` of the caller's own always wins."""
     env = dict(os.environ)
     env.pop("ATOLL_CONFIG", None)
+    on_cpu = not (accelerators and accelerators_present())
+    if on_cpu:
+        env.setdefault("JAX_PLATFORMS", "cpu")
     env.update(
         {
             "PYTHONUNBUFFERED": "1",
-            "JAX_PLATFORMS": env.get("JAX_PLATFORMS", "cpu"),
             "XLA_FLAGS": (
                 f"--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}"
             ),
@@ -43,6 +56,23 @@ def child_env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str
     )
     env.update(extra or {})
     return env
+
+
+def gpu_pinning(learner: int, per_learner: int) -> dict[str, str]:
+    """`CUDA_VISIBLE_DEVICES` for learner i with `per_learner` GPUs each: devices
+    [i*g, (i+1)*g) of those this process sees (its own `CUDA_VISIBLE_DEVICES`, else all);
+    nothing with g = 0."""
+    if not per_learner:
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(k) for k in range(accelerators_present())]
+    first = learner * per_learner
+    if first + per_learner > len(ids):
+        raise ValueError(
+            f"--gpus-per-learner {per_learner}: learner {learner} needs GPUs {first}.."
+            f"{first + per_learner - 1}, this machine shows {len(ids)}; start fewer learners"
+        )
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[first : first + per_learner])}
 
 
 @dataclass

@@ -37,6 +37,11 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         "", description="use this Redis instead of starting one (redis://HOST:PORT/DB)"
     )
     report: Path | None = Field(None, description="write the run report JSON here")
+    export: Path | None = Field(
+        None,
+        description="write the final global model here as safetensors, its model config in "
+        "the metadata (as `atoll export`; score it with `atoll eval`)",
+    )
     plot: Path | None = Field(None, description="write a PNG of the loss curves here")
     workdir: Path | None = Field(
         None, description="folder for logs and learner state; default: a temporary one"
@@ -44,6 +49,20 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
     speeds: list[float] = Field(
         default_factory=list,
         description="per-learner artificial speed (1 = full; 0.25 = 4x slower); default all 1",
+    )
+    shared_budget: bool = Field(
+        True,
+        description="decoupled mode: the learners share learners x --steps as the job's "
+        "budget, so a learner a fault slowed is made up for by the others (each may overshoot "
+        "by the steps of a heartbeat); off: each runs exactly --steps (equal tokens per "
+        "learner, as a quality comparison wants)",
+    )
+    gpus_per_learner: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="pin learner i to GPUs [i*g, (i+1)*g) through CUDA_VISIBLE_DEVICES (one "
+        "learner per GPU: 1); 0: every learner sees every device",
     )
     batch_sizes: list[int] = Field(
         default_factory=list,

@@ -23,8 +23,16 @@ from typing import Any
 import redis
 
 from cluster.chaos import NETWORK_KINDS, ChaosError, Fault, parse, schedule
+from cluster.export import export_model
 from cluster.faultproxy import FaultProxy
-from cluster.processes import Child, SynchronizerChild, atoll_command, child_env, synchronizer_child
+from cluster.processes import (
+    Child,
+    SynchronizerChild,
+    atoll_command,
+    child_env,
+    gpu_pinning,
+    synchronizer_child,
+)
 from cluster.redis_server import RedisServer
 from cluster.report import build_report, check_invariants, merged_by_incarnation
 from cluster.settings import UpSettings
@@ -80,7 +88,8 @@ class LocalCluster:
         # Decoupled: a job budget, so learners a fault slowed are made up for by the others.
         # Sync mode keeps its learners in lockstep, each running exactly --steps (a budget
         # would end them at different steps, with rounds only some of them can complete).
-        budget = settings.learners * settings.steps if settings.mode == "decoupled" else 0
+        shared = settings.mode == "decoupled" and settings.shared_budget
+        budget = settings.learners * settings.steps if shared else 0
         self.job_steps = settings.job_steps or budget
 
     def plan_faults(self) -> None:
@@ -259,9 +268,17 @@ class LocalCluster:
                 "--log-every",
                 str(self.s.log_every),
             )
-            learner = Child(name, args, self.workdir / f"{name}.log", child_env(self.s.threads))
+            env = child_env(self.s.threads, self.devices(i), accelerators=True)
+            learner = Child(name, args, self.workdir / f"{name}.log", env)
             self.learners.append(learner)
             self._launch(learner)
+
+    def devices(self, learner: int) -> dict[str, str]:
+        """Learner i's GPUs with --gpus-per-learner; without it every learner sees every
+        device, so none may take most of a GPU's memory up front."""
+        if self.s.gpus_per_learner:
+            return gpu_pinning(learner, self.s.gpus_per_learner)
+        return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if self.s.learners > 1 else {}
 
     def batch_sizes(self) -> list[int]:
         """Each learner's batch size: --batch-sizes, or --batch-size for all."""
@@ -440,6 +457,16 @@ def run(settings: UpSettings) -> int:
             cluster.start()
             state = cluster.wait(view)
         report = cluster.report(state)
+        if settings.export is not None:
+            export_model(
+                cluster.client(),
+                settings.job,
+                str(workdir / "tensors"),
+                settings.export,
+                model=settings.model,
+                heads=settings.heads,
+                dtype=settings.dtype,
+            )
     except KeyboardInterrupt:
         print("atoll up: interrupted; stopping every process", file=sys.stderr)
         return 130

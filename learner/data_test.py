@@ -42,7 +42,7 @@ def test_batches_are_deterministic_and_resume_from_their_position(corpus_dir: Pa
 
 def test_eval_batches_are_fixed(corpus_dir: Path) -> None:
     data = load_corpus([corpus_dir], 0, 1).eval
-    one, two = eval_batches(data, 2, 8, 3), eval_batches(data, 2, 8, 3)
+    one, two = eval_batches(data, 2, 8, 6), eval_batches(data, 2, 8, 6)
     assert len(one) == 3
     for x, y in zip(one, two, strict=True):
         np.testing.assert_array_equal(x, y)
@@ -83,3 +83,38 @@ def test_a_cached_corpus_is_the_corpus(tmp_path: Path) -> None:
         assert c.train.tobytes() == direct.train.tobytes()
         assert c.eval.tobytes() == direct.eval.tobytes()
         assert c.files == direct.files
+
+
+def test_eval_windows_do_not_depend_on_batching(corpus_dir: Path) -> None:
+    from learner.data import eval_windows, mean_loss
+
+    data = load_corpus([corpus_dir], 0, 1).eval
+    rows = eval_windows(data, 8, 7)
+    assert rows.shape == (7, 9)
+    assert len(eval_windows(data, 8, 0)) == (data.size - 1) // 9  # 0: every window
+    for size in (1, 3, 7):
+        batches = eval_batches(data, size, 8, 7)
+        np.testing.assert_array_equal(np.concatenate(batches), rows)
+        # One loss per window (its first byte): the mean is over windows, not batches.
+        assert mean_loss(lambda b: float(b[:, 0].mean()), batches) == pytest.approx(
+            rows[:, 0].mean()
+        )
+
+
+def test_eval_data_replaces_the_held_out_files(corpus_dir: Path, tmp_path: Path) -> None:
+    extra = tmp_path / "eval.txt"
+    extra.write_text("held apart\n" * 20)
+    corpus = load_corpus([corpus_dir], 0, 1, eval_paths=[extra])
+    assert corpus.eval.tobytes() == extra.read_bytes()
+    assert b"# file 0\n" in corpus.train.tobytes()  # nothing held out of --data now
+
+
+def test_a_site_packages_folder_named_on_purpose_is_read(tmp_path: Path) -> None:
+    from learner.data import list_files
+
+    lib = tmp_path / "lib"
+    (lib / "site-packages" / "pkg").mkdir(parents=True)
+    (lib / "os.py").write_text("x = 1\n")
+    (lib / "site-packages" / "pkg" / "m.py").write_text("y = 2\n")
+    assert [f.name for f in list_files([lib])] == ["os.py"]
+    assert [f.name for f in list_files([lib / "site-packages"])] == ["m.py"]

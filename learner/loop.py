@@ -24,6 +24,7 @@ import structlog
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from learner.data import mean_loss
 from learner.settings import LearnerSettings
 from learner.workload import Workload
 from services import telemetry as tm
@@ -242,9 +243,9 @@ class InnerLoop:
         """Eval loss of the global model as this learner last saw it (standalone: its own)."""
         if self.sync is not None:
             params = self.sync.global_params(self.replicated)
-        batches = self.workload.eval_batches
-        losses = [float(self._eval_loss(params, jnp.asarray(b))) for b in batches]
-        self.eval_loss = float(np.mean(losses))
+        self.eval_loss = mean_loss(
+            lambda b: float(self._eval_loss(params, jnp.asarray(b))), self.workload.eval_batches
+        )
         if self.sync is not None:
             self.sync.eval_loss = self.eval_loss
         tm.LEARNER_EVAL_LOSS.set(self.eval_loss)

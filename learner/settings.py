@@ -39,6 +39,11 @@ class ModelConfig(BaseModel):
         description="text files or folders to train on; empty: this Python's standard library "
         "sources",
     )
+    eval_data: list[Path] = Field(
+        default_factory=list,
+        description="text files or folders to evaluate on (never trained on); empty: every "
+        "50th file of --data is held out",
+    )
     eval_fraction: float = Field(
         0.02, gt=0.0, lt=0.5, description="share of the text held out for evaluation"
     )
@@ -50,6 +55,13 @@ class ModelConfig(BaseModel):
         "take turns, so the cluster evaluates about this often, not each learner)",
     )
     eval_batches: int = Field(4, ge=1, description="batches per eval")
+    eval_windows: int = Field(
+        0,
+        ge=0,
+        description="windows of context bytes scored per eval, evenly spread over the "
+        "evaluation text (the selection `atoll eval --windows` makes); 0: --eval-batches x "
+        "--batch-size",
+    )
 
 
 class LearnerSettings(ModelConfig, AtollSettings):

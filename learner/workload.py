@@ -96,7 +96,9 @@ def builtin(settings: LearnerSettings) -> Workload:
         compute_dtype=resolve_dtype(settings.dtype),
     )
     shard = data_shard(settings)
-    corpus = cached_corpus(settings.data, shard, settings.num_shards, settings.state_dir)
+    corpus = cached_corpus(
+        settings.data, shard, settings.num_shards, settings.state_dir, settings.eval_data
+    )
     batches = Batches(
         corpus.train,
         settings.batch_size,
@@ -108,7 +110,10 @@ def builtin(settings: LearnerSettings) -> Workload:
         loss_fn=make_loss(cfg),
         batches=batches,
         eval_batches=eval_batches(
-            corpus.eval, settings.batch_size, settings.context, settings.eval_batches
+            corpus.eval,
+            settings.batch_size,
+            settings.context,
+            settings.eval_windows or settings.eval_batches * settings.batch_size,
         ),
         tokens_per_batch=settings.batch_size * settings.context,
     )

@@ -9,12 +9,27 @@ from typing import Any
 import obstore
 
 from services.codec import checksum
+from services.layout import LeafSpec
 from synchronizer.keys import JobKeys
 from synchronizer.tensors import TensorStore
 
 
 def _s(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def job_config(r: Any, job: str) -> dict[str, Any] | None:
+    """The job's algorithm settings as the synchronizer stored them (None: no such job)."""
+    stored = r.get(JobKeys(job).config)
+    return None if stored is None else dict(json.loads(_s(stored)))
+
+
+def job_spec(r: Any, job: str) -> list[LeafSpec] | None:
+    """The job's parameter spec (None: no learner has joined it yet)."""
+    stored = r.get(JobKeys(job).spec)
+    if stored is None:
+        return None
+    return [LeafSpec(name, tuple(shape), dtype) for name, shape, dtype in json.loads(_s(stored))]
 
 
 def versions(r: Any, job: str, fragments: int) -> list[int]:
@@ -47,13 +62,16 @@ def value_name(r: Any, job: str, fragment: int) -> str | None:
     return None if name is None else _s(name)
 
 
+def read_object(tensor_store: str, name: str) -> bytes:
+    """One object of the tensor store (a value a pointer names), read synchronously."""
+    store = TensorStore(tensor_store)
+    return bytes(obstore.get(store._store, name).bytes())
+
+
 def global_value(r: Any, job: str, fragment: int, tensor_store: str) -> bytes | None:
     """The committed float32 value of a fragment, from the tensor store."""
     name = value_name(r, job, fragment)
-    if name is None:
-        return None
-    store = TensorStore(tensor_store)
-    return bytes(obstore.get(store._store, name).bytes())
+    return None if name is None else read_object(tensor_store, name)
 
 
 def global_checksums(r: Any, job: str, fragments: int, tensor_store: str) -> list[int]:
