@@ -41,7 +41,10 @@ from synchronizer.store import Commit, ControlStore, Live, Pointer
 from synchronizer.tensors import TensorStore, object_name, version_of
 
 log = structlog.get_logger("atoll.synchronizer.owner")
-KEEP_VERSIONS = 12  # versions kept in the tensor store (deltas to catch learners up)
+# Kept in the tensor store after a commit: the last two values and optimizer states (a fetch
+# may still be reading the one before), and deltas enough to catch a learner up.
+KEEP_VALUES = 2
+KEEP_DELTAS = 10
 EVALUATE_EVERY_S = 0.1
 T_SYNC_DECAY = 0.8
 
@@ -443,7 +446,7 @@ class FragmentOwner:
             contributors=len(updates),
             seconds=round(seconds, 4),
         )
-        if version % KEEP_VERSIONS == 0:  # in the background: never part of a merge's time
+        if self._gc is None or self._gc.done():  # in the background, never in a merge's time
             self._gc = asyncio.create_task(self._collect_garbage(version))
 
     async def _collect_garbage(self, version: int) -> None:
@@ -453,7 +456,7 @@ class FragmentOwner:
             old = [
                 n
                 for n in await self.tensors.names(prefix)
-                if version_of(n) < version - KEEP_VERSIONS
+                if version_of(n) <= version - (KEEP_DELTAS if n.endswith(".delta") else KEEP_VALUES)
             ]
             await self.tensors.delete(old)
         except Exception as err:  # garbage is collected next time
