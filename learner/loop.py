@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger("atoll.learner")
 EMA_DECAY = 0.9
 WARM_STEPS = 5  # steps before the steady training rate is measured
+# At most this share of the loop's wall time has a checkpoint being taken: a checkpoint that
+# takes 3 s to write comes at most every 100 s (and never more often than
+# --checkpoint-seconds), so a large model's checkpoints never slow its steps much.
+CHECKPOINT_SHARE = 0.03
 
 
 @dataclass
@@ -89,6 +93,7 @@ class InnerLoop:
         self.loss = math.nan
         self.eval_loss = math.nan
         self._last_checkpoint = -math.inf  # when it was taken (monotonic)
+        self._checkpoint_cost: float | None = None  # how long the last one took to write
         self._position_saved = time.monotonic()
         self.tx = workload.optimizer if workload.optimizer is not None else adamw(settings)
         devices = jax.devices()
@@ -163,6 +168,12 @@ class InnerLoop:
         # The training rate as it runs: steps and wall time from the WARM_STEPS-th step on,
         # every hook and checkpoint included (what `atoll bench mfu` compares).
         steady: tuple[int, float] | None = None
+        # Pipelined: step N+1 is dispatched (and its batch copied in) before the host waits
+        # for step N's loss, so the device never idles while Python prepares a step. A
+        # step's loss and time are recorded once it is done, one step late.
+        batch = self._next_batch()
+        in_flight: jax.Array | None = None
+        done_at = time.monotonic()
         while not self.stop_requested.is_set() and (not steps or self.step < steps):
             if steady is None and self.loop_steps_seen >= WARM_STEPS:
                 steady = (self.step, time.monotonic())
@@ -170,15 +181,14 @@ class InnerLoop:
             if self.sync is not None and self.sync.job_finished():
                 log.info("job_budget_reached", learner=self.settings.id, step=self.step)
                 break
-            t0 = time.monotonic()
-            batch = jax.device_put(self.workload.batches.next(), self.batch_sharding)
             params, opt_state, loss = self._train_step(params, opt_state, batch)
-            self.loss = float(loss)  # waits for the step: its time is compute time
-            seconds = time.monotonic() - t0
-            if self.settings.speed < 1.0:  # stand-in for slower hardware
-                time.sleep(seconds * (1.0 / self.settings.speed - 1.0))
-                seconds = time.monotonic() - t0
-            self._record_step(seconds)
+            batch = self._next_batch()
+            self.step += 1
+            self.tokens += self.workload.tokens_per_batch
+            seconds = 0.0
+            if in_flight is not None:
+                seconds, done_at = self._step_done(in_flight, done_at)
+            in_flight = loss
             if self.sync is None:
                 continue
             params = self.sync.after_step(
@@ -192,6 +202,10 @@ class InnerLoop:
             if turn and self.step % turn == self.settings.eval_offset % turn:
                 self._evaluate(params)
             self._maybe_checkpoint(params, opt_state)
+        if in_flight is not None:
+            seconds, done_at = self._step_done(in_flight, done_at)
+            if self.sync is not None:
+                self.sync.count_compute(seconds)
         if steady is not None:
             self.steady_steps = self.step - steady[0]
             self.steady_seconds = time.monotonic() - steady[1]
@@ -202,9 +216,25 @@ class InnerLoop:
             self.sync.done(self.eval_loss)
         return self.summary(params)
 
+    def _next_batch(self) -> jax.Array:
+        """The next batch, on its way to the devices (the copy does not block)."""
+        batch: jax.Array = jax.device_put(self.workload.batches.next(), self.batch_sharding)
+        return batch
+
+    def _step_done(self, loss: jax.Array, since: float) -> tuple[float, float]:
+        """Wait for a dispatched step's loss; record it. Returns the step's seconds (since
+        the step before it was done) and when it was done."""
+        self.loss = float(loss)
+        done = time.monotonic()
+        seconds = done - since
+        if self.settings.speed < 1.0:  # stand-in for slower hardware
+            time.sleep(seconds * (1.0 / self.settings.speed - 1.0))
+            done = time.monotonic()
+            seconds = done - since
+        self._record_step(seconds)
+        return seconds, done
+
     def _record_step(self, seconds: float) -> None:
-        self.step += 1
-        self.tokens += self.workload.tokens_per_batch
         self.ema_step_s = (
             seconds
             if not self.ema_step_s
@@ -214,9 +244,10 @@ class InnerLoop:
         tm.LEARNER_TOKENS.inc(self.workload.tokens_per_batch)
         tm.LEARNER_STEP_SECONDS.observe(seconds)
         tm.LEARNER_LOSS.set(self.loss)
-        if self.step % max(1, self.settings.log_every) == 0 or self.step == 1:
-            self.timeline.losses.append((self.timeline.now(), self.step, self.tokens, self.loss))
-        self.tape.write("step", step=self.step, seconds=round(seconds, 6))
+        done = self.step - 1  # the step in flight now is not done yet
+        if done % max(1, self.settings.log_every) == 0 or done == 1:
+            self.timeline.losses.append((self.timeline.now(), done, self.tokens, self.loss))
+        self.tape.write("step", step=done, seconds=round(seconds, 6))
 
     def _maybe_checkpoint(self, params: Any, opt_state: Any) -> None:
         """A checkpoint every --checkpoint-every steps, at most one per
@@ -229,9 +260,16 @@ class InnerLoop:
                 self.save_position()
             return
         due = s.state_dir is not None and self.step % s.checkpoint_every == 0
-        due = due and time.monotonic() - self._last_checkpoint >= s.checkpoint_seconds
-        if due and self.sync.checkpoint_ready():
-            self._last_checkpoint = time.monotonic()
+        if not due or not self.sync.checkpoint_ready():
+            return
+        now = time.monotonic()
+        if self._checkpoint_cost is None and self._last_checkpoint > 0:
+            # The last one is written: it took this long. Checkpoints then come no more often
+            # than keeps their share of the loop's time within CHECKPOINT_SHARE.
+            self._checkpoint_cost = now - self._last_checkpoint
+        spacing = max(s.checkpoint_seconds, (self._checkpoint_cost or 0.0) / CHECKPOINT_SHARE)
+        if now - self._last_checkpoint >= spacing:
+            self._last_checkpoint, self._checkpoint_cost = now, None
             meta = {
                 "step": self.step,
                 "tokens": self.tokens,

@@ -121,6 +121,7 @@ class SyncEngine:
         self._writing: Future[tuple[int, int, float]] | None = None  # the last checkpoint
         self._slots: ckpt.Slots | None = None
         self._refetch: set[int] = set()
+        self._sent: dict[int, dict[str, jax.Array]] = {}  # in flight: the leaves as sent
         self._flat: FlatParams = {}  # the parameters during a call, as named leaves
         tm.LEARNER_PARAMETERS.set(sum(s.size for s in self.specs))
         self.client = SynchronizerClient(
@@ -216,6 +217,12 @@ class SyncEngine:
         self.record("joined", restored=restored)
 
     # --- between two steps ----------------------------------------------------------------
+    def count_compute(self, seconds: float) -> None:
+        """Compute time of a step already counted by `after_step` without it (a loop that
+        learns a step's time one step late hands over the last one here)."""
+        for f in self.outer.fragments:
+            f.compute_seconds += seconds
+
     def after_step(
         self,
         step: int,
@@ -291,8 +298,10 @@ class SyncEngine:
         f = self.outer.fragments[p]
         send = f.begin_send()
         names = [leaf.name for leaf in self.layout.fragments[p].leaves]
-        # A device-side copy: the loop's step may donate the parameters' buffers.
+        # A device-side copy: the loop's step may donate the parameters' buffers. It also
+        # stays on the device until the reply comes: the rebase is computed there.
         snapshot = [jnp.copy(self._flat[n]) for n in names]
+        self._sent[p] = dict(zip(names, snapshot, strict=True))
 
         def encode_and_queue() -> tuple[int, int, float]:
             host = dict(zip(names, jax.device_get(snapshot), strict=True))
@@ -340,6 +349,16 @@ class SyncEngine:
 
     def _adopt(self, p: int, value: np.ndarray, version: int) -> None:
         f = self.outer.fragments[p]
+        sent = self._sent.pop(p, None)
+        if f.keep_progress and f.sent_theta is not None and sent is not None:
+            # theta <- Theta + (theta - theta_sent), on the device: nothing waits for the
+            # step in flight, and only the new global value crosses to the device.
+            for name, leaf in self.layout.scatter(p, value).items():
+                current = self._flat[name]
+                incoming = jax.device_put(jnp.asarray(leaf), current.sharding)
+                self._flat[name] = _rebase(incoming, current, sent[name])
+            f.adopt(value, version)
+            return
         needs_local = self.alpha or (f.keep_progress and f.sent_theta is not None)
         theta = self.layout.gather(p, self._host_leaves(p)) if needs_local else value
         merged = f.local_value(theta, value, self.alpha)
@@ -612,3 +631,10 @@ def _device_copy(tree: Any) -> Any:
     """Fresh device buffers holding the same values (never donated, so a background
     thread may read them while the next steps run)."""
     return jax.tree.map(jnp.copy, tree)
+
+
+@jax.jit
+def _rebase(incoming: jax.Array, theta: jax.Array, sent: jax.Array) -> jax.Array:
+    """The new global value plus the local progress since the update was taken (float32,
+    as learner.outer.rebase computes it on the host)."""
+    return incoming + (theta - sent)
