@@ -16,6 +16,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -30,6 +31,7 @@ from cluster.report import build_report, check_invariants, merged_by_incarnation
 from cluster.settings import UpSettings
 from cluster.view import ClusterState, LiveView, read_state
 from learner.settings import ModelConfig
+from services import tls
 from services.config import JobConfig
 from services.goodput import commits, provisioned_seconds
 from services.tape import Tape
@@ -177,6 +179,22 @@ class LocalCluster:
             self.tape.write("restarted", **self._whom(child))
 
     # --- start ----------------------------------------------------------------------------
+    def security(self) -> Callable[[str | None], list[str]]:
+        """Each child's transport flags (None: a synchronizer's): with --tls, a throwaway CA
+        and mTLS everywhere; otherwise plaintext on loopback."""
+        if not self.s.tls:
+            return lambda _: ["--insecure"]
+        files = tls.generate(self.workdir / "tls", [f"learner-{i}" for i in range(self.s.learners)])
+
+        def flags(slot: str | None) -> list[str]:
+            if slot is None:
+                cert, key = files.server_cert, files.server_key
+            else:
+                cert, key = files.client(slot)
+            return ["--tls-ca", str(files.ca), "--tls-cert", str(cert), "--tls-key", str(key)]
+
+        return flags
+
     def start(self) -> None:
         if not self.redis_url:
             self.redis = RedisServer(self.workdir / "redis", appendonly=True).start()
@@ -190,12 +208,14 @@ class LocalCluster:
             "run_started",
             **{k: v for k, v in job.model_dump(mode="json").items() if k in RUN_KEYS},
         )
+        security = self.security()
         for i in range(self.s.synchronizers):
             child = synchronizer_child(
                 self.workdir,
                 self.redis_url,
                 f"synchronizer-{i}",
                 [*job_args, "--log-level", "info", *tape_args],
+                security=security(None),
             )
             self.synchronizers.append(child.start_and_wait())
         addresses = ",".join(s.address for s in self.synchronizers)
@@ -222,6 +242,7 @@ class LocalCluster:
             order = order[i % len(order) :] + order[: i % len(order)]  # spread over replicas
             args = atoll_command(
                 "learner",
+                *security(name),
                 *model_args,
                 "--eval-every",
                 str(turns),

@@ -55,6 +55,7 @@ from learner.settings import LearnerSettings
 from learner.workload import FlatParams, Named
 from services import codec as codecs
 from services import telemetry as tm
+from services import tls
 from services.config import INIT_CLAIM_S
 from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
@@ -130,6 +131,9 @@ class SyncEngine:
             incarnation=self.incarnation,
             params=self.specs,
             token=settings.token,
+            credentials=tls.learner_credentials(
+                settings.insecure, settings.tls_ca, settings.tls_cert, settings.tls_key
+            ),
             max_backoff_s=settings.max_backoff_s,
         )
 

@@ -17,8 +17,10 @@ from grpc_reflection.v1alpha import reflection
 from redis.exceptions import RedisError
 
 from services import telemetry as tm
+from services import tls
 from services.config import JobConfig, SynchronizerSettings
 from services.grpcopts import server_options, split_hostport
+from synchronizer.auth import Authenticator, load_tokens
 from synchronizer.service import SERVICE_NAME, SynchronizerService
 from synchronizer.store import ControlStore, StoreError, open_store, redact
 from synchronizer.tensors import TensorStore, TensorStoreError
@@ -53,7 +55,40 @@ def advertised(settings: SynchronizerSettings, port: int) -> str:
     return f"{host}:{port}"
 
 
+def authenticator(settings: SynchronizerSettings) -> Authenticator:
+    tokens = None
+    if settings.learner_tokens_file is not None:
+        try:
+            tokens = load_tokens(settings.learner_tokens_file)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"atoll synchronizer: --learner-tokens-file: {err}") from None
+    mtls = settings.tls_ca is not None
+    return Authenticator(
+        SERVICE_NAME,
+        mtls=mtls,
+        tokens=tokens,
+        shared_token=settings.token,
+        anonymous=settings.insecure and not (mtls or tokens or settings.token),
+        max_ingest_per_slot=settings.max_ingest_per_slot,
+    )
+
+
+def bind(server: grpc.aio.Server, settings: SynchronizerSettings) -> int:
+    """Listen with TLS (mTLS with --tls-ca), or in plaintext with --insecure."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return server.add_insecure_port(settings.listen)
+    try:
+        credentials = tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
+    except tls.TlsError as err:
+        raise SystemExit(f"atoll synchronizer: {err}") from None
+    return server.add_secure_port(settings.listen, credentials)
+
+
 async def serve(settings: SynchronizerSettings) -> None:
+    problem = settings.transport_problem()
+    if problem is not None:
+        raise SystemExit(f"atoll synchronizer: {problem}")
+    interceptor = authenticator(settings)
     store = open_store(settings.redis_url, settings.job)
     tensors = TensorStore(settings.tensor_store)
     job = await store.job_config(settings.model_dump(include=set(JobConfig.model_fields)))
@@ -67,8 +102,8 @@ async def serve(settings: SynchronizerSettings) -> None:
             + ", ".join(f"{k}={mine.get(k)!r}" for k in differing)
             + ". Start every replica with the same algorithm flags, or use a new --job."
         )
-    server = grpc.aio.server(options=server_options())
-    port = server.add_insecure_port(settings.listen)
+    server = grpc.aio.server(options=server_options(), interceptors=[interceptor])
+    port = bind(server, settings)
     if port == 0:
         raise SystemExit(f"cannot listen on {settings.listen}: the address is taken or invalid")
     service = SynchronizerService(settings, store, tensors, advertised(settings, port))
