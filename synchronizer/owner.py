@@ -13,7 +13,10 @@ is taken out again.
 from __future__ import annotations
 
 import asyncio
+import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,6 +47,13 @@ log = structlog.get_logger("atoll.synchronizer.owner")
 KEEP_VERSIONS = 12  # versions kept in the tensor store (deltas to catch learners up)
 EVALUATE_EVERY_S = 0.1
 T_SYNC_DECAY = 0.8
+NORM_HISTORY = 16  # accepted updates' norms an update's norm is bounded against
+NORM_HISTORY_MIN = 3  # fewer: bounded against the fragment's own norm instead
+MAX_WEIGHTED_VALUE = 1e37  # weight x value beyond this would overflow the float32 sum
+
+
+class NormTooLarge(ValueError):
+    """An update's norm is out of bounds against the fragment's recent updates."""
 
 
 class OwnerLost(RuntimeError):
@@ -68,6 +78,12 @@ class Update:
     accumulator: Accumulator
     chunks: list[tuple[int, int, bytes]] = field(default_factory=list)
     hasher: Any = field(default_factory=xxhash.xxh3_64)
+    norm_bound: float | None = None  # None: not bounded (no reference yet)
+    squares: float = 0.0  # sum of squares of the decoded values so far
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(self.squares)
 
     @property
     def uid(self) -> str:
@@ -107,6 +123,8 @@ class FragmentOwner:
         self.theta = np.zeros(0, np.float32)
         self.state: list[np.ndarray] = []
         self.residual = np.zeros(0, np.float32)
+        self.theta_norm = 0.0
+        self.recent_norms: deque[float] = deque(maxlen=NORM_HISTORY)
         self.current = self.rule.new(size, self.segments)
         self.members: list[Update] = []  # received into the open round
         self.in_flight: set[Update] = set()  # summing, not received yet
@@ -131,6 +149,7 @@ class FragmentOwner:
         value = await self.tensors.get_arrays(pointer.value, self.size)
         states = [(await self.tensors.get_arrays(n, self.size))[0] for n in pointer.state]
         self.theta = value[0]
+        self.theta_norm = float(np.linalg.norm(self.theta.astype(np.float64)))
         n_opt = len(self.optimizer.init(self.theta[:0]))
         self.state = states[:n_opt] or self.optimizer.init(self.theta)
         self.residual = states[n_opt] if len(states) > n_opt else np.zeros_like(self.theta)
@@ -169,6 +188,13 @@ class FragmentOwner:
         weight = token_weight(c_tokens, c_steps)
         if self.version is not None and self.config.staleness_decay != 1.0:
             weight *= staleness_weight(self.version - base_version, self.config.staleness_decay)
+        bound = self.norm_bound()
+        claimed = math.sqrt(sum(float(n) ** 2 for n in norms))
+        if bound is not None and claimed > bound:
+            raise NormTooLarge(
+                f"the update's tensor norms total {claimed:.3g}, over the bound {bound:.3g} "
+                f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)"
+            )
         update = Update(
             learner,
             incarnation,
@@ -182,9 +208,22 @@ class FragmentOwner:
             codec,
             block_size,
             self.current,
+            norm_bound=bound,
         )
         self.in_flight.add(update)
         return update
+
+    def norm_bound(self) -> float | None:
+        """The largest L2 norm an update may have: --max-update-norm-ratio times the median
+        of the fragment's recent accepted updates, or, before there are enough, times the
+        fragment's own norm (an outer gradient is a fraction of the parameters it moves)."""
+        ratio = self.config.max_update_norm_ratio
+        if len(self.recent_norms) >= NORM_HISTORY_MIN:
+            floor = 1e-3 * self.theta_norm  # a few tiny updates cannot shut the others out
+            return ratio * max(statistics.median(self.recent_norms), floor, 1e-12)
+        if self.theta_norm > 0:
+            return ratio * self.theta_norm
+        return None
 
     async def add(self, update: Update, offset: int, count: int, data: bytes) -> None:
         """Decode one chunk and sum it into the update's round (raises CodecError)."""
@@ -194,6 +233,18 @@ class FragmentOwner:
 
     def _add(self, update: Update, offset: int, count: int, data: bytes) -> None:
         values = update.codec.decode(data, count, update.block_size)
+        squares = float(np.dot(values, values))  # inf on overflow: refused below
+        if not math.isfinite(squares):
+            raise codecs.CodecError("payload decodes to NaN or Inf values (a scale overflows)")
+        bound = update.norm_bound
+        if bound is not None and update.squares + squares > bound * bound:
+            raise NormTooLarge(
+                f"the update's L2 norm is over {bound:.3g} "
+                f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)"
+            )
+        if values.size and float(np.abs(values).max()) * update.weight > MAX_WEIGHTED_VALUE:
+            raise NormTooLarge("the update's values times its weight overflow float32")
+        update.squares += squares
         update.accumulator.add(offset, values, update.weight, update.norms)
 
     def _take_out(self, update: Update, accumulator: Accumulator) -> None:
@@ -250,6 +301,7 @@ class FragmentOwner:
             return status, version
         self.in_flight.discard(update)
         update.accumulator.counted(update.weight, update.norms, 1)
+        self.recent_norms.append(update.norm)
         self.members.append(update)  # of the open round: one sealed meanwhile moved it
         tm.UPDATES_ACCEPTED.inc()
         self.tape.write("accepted", uid=update.uid, fragment=self.fragment, learner=update.learner)
@@ -304,7 +356,18 @@ class FragmentOwner:
             members, sealed = await self._on_worker(self._seal)
             if not members:
                 return
-            await self._commit(members, sealed, live_learners, started)
+            try:
+                await self._commit(members, sealed, live_learners, started)
+            except (OwnerLost, asyncio.CancelledError):
+                raise
+            except BaseException as err:
+                # The round was sealed and the value may have moved in memory: nothing of it
+                # is committed, so this owner gives the fragment up; the next one loads the
+                # committed state and the learners resend the round's updates.
+                self.lost = True
+                tm.MERGE_ABORTS.inc()
+                log.error("merge_failed", fragment=self.fragment, error=repr(err))
+                raise OwnerLost(f"fragment {self.fragment}: merge failed ({err!r})") from err
         finally:
             self.merging = False
 
@@ -315,7 +378,30 @@ class FragmentOwner:
         for update in list(self.in_flight):
             if update.accumulator is sealed:
                 self._move(update, self.current)
-        return members, sealed
+        return members, self._cap_weights(members, sealed)
+
+    def _cap_weights(self, members: list[Update], sealed: Accumulator) -> Accumulator:
+        """No update weighs more than --max-weight-share times the round's median weight
+        (its fair share): whatever tokens it claims, it cannot buy the merge. A round with
+        a capped update is summed again from its members' chunks, so the others' values
+        keep their precision."""
+        if len(members) < 2:
+            return sealed
+        cap = self.config.max_weight_share * statistics.median_low(u.weight for u in members)
+        if all(u.weight <= cap for u in members):
+            return sealed
+        rebuilt = self.rule.new(self.size, self.segments)
+        for update in members:
+            if update.weight > cap:
+                log.info(
+                    "weight_capped", fragment=self.fragment, uid=update.uid, weight=update.weight
+                )
+                update.weight = cap
+            for offset, count, data in update.chunks:
+                values = update.codec.decode(data, count, update.block_size)
+                rebuilt.add(offset, values, update.weight, update.norms)
+            rebuilt.counted(update.weight, update.norms, 1)
+        return rebuilt
 
     def _step(self, sealed: Accumulator, scale: float) -> list[tuple[int, int, bytes]]:
         """The outer step and the downlink delta, in place, one segment at a time."""

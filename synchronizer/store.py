@@ -44,7 +44,7 @@ def redact(url: str) -> str:
 
 @dataclass(frozen=True)
 class Hello:
-    ok: bool  # False: the learner's model spec differs from the job's
+    status: str  # ok, spec_mismatch (the learner's model differs), busy (slot has a session)
     previous: str  # the incarnation this one replaces ("" if none)
     initializer: bool  # the job has no parameters yet and this learner is to send them
 
@@ -199,8 +199,8 @@ class ControlStore:
             ],
         )
         if _s(reply[0]) != "ok":
-            return Hello(False, "", False)
-        return Hello(True, _s(reply[1]), bool(int(reply[2])))
+            return Hello(_s(reply[0]), "", False)
+        return Hello("ok", _s(reply[1]), bool(int(reply[2])))
 
     async def heartbeat(
         self,
