@@ -233,7 +233,8 @@ class FragmentOwner:
 
     def _add(self, update: Update, offset: int, count: int, data: bytes) -> None:
         values = update.codec.decode(data, count, update.block_size)
-        squares = float(np.dot(values, values))  # inf on overflow: refused below
+        with np.errstate(over="ignore"):
+            squares = float(np.dot(values, values))  # inf on overflow: refused below
         if not math.isfinite(squares):
             raise codecs.CodecError("payload decodes to NaN or Inf values (a scale overflows)")
         bound = update.norm_bound
