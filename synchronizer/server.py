@@ -84,6 +84,12 @@ def bind(server: grpc.aio.Server, settings: SynchronizerSettings) -> int:
     return server.add_secure_port(settings.listen, credentials)
 
 
+def transport(settings: SynchronizerSettings) -> str:
+    if settings.tls_cert is None:
+        return "plaintext"
+    return "mtls" if settings.tls_ca is not None else "tls"
+
+
 async def serve(settings: SynchronizerSettings) -> None:
     problem = settings.transport_problem()
     if problem is not None:
@@ -137,6 +143,7 @@ async def serve(settings: SynchronizerSettings) -> None:
         replica=settings.replica_id,
         job=settings.job,
         tensor_store=settings.tensor_store,
+        transport=transport(settings),
     )
     service.tape.write("started", port=port)
     if settings.port_file is not None:
