@@ -509,7 +509,6 @@ class SynchronizerClient:
                 job=self.job,
                 learner_id=self.learner_id,
                 incarnation=self.incarnation,
-                token=self.token,
                 params=[
                     fragment_pb2.TensorSpec(name=p.name, shape=p.shape, dtype=p.dtype)
                     for p in self.params

@@ -14,7 +14,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from services import telemetry as tm
 from services import tls
@@ -142,7 +142,7 @@ async def serve(settings: SynchronizerSettings) -> None:
         metrics_port=bound_metrics,
         replica=settings.replica_id,
         job=settings.job,
-        tensor_store=settings.tensor_store,
+        tensor_store=redact(settings.tensor_store),
         transport=transport(settings),
     )
     service.tape.write("started", port=port)
@@ -183,7 +183,7 @@ def run(settings: SynchronizerSettings) -> None:
         asyncio.run(serve(settings))
     except (StoreError, TensorStoreError) as err:
         raise SystemExit(f"atoll synchronizer: {err}") from None
-    except (RedisError, OSError) as err:
+    except (RedisError, RedisClusterException, OSError) as err:
         raise SystemExit(
             f"atoll synchronizer: cannot reach Redis at {redact(settings.redis_url)} "
             f"({type(err).__name__}); start it or fix --redis-url"
