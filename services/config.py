@@ -231,6 +231,11 @@ class SynchronizerSettings(JobConfig, AtollSettings):
         description="PEM CA that learners' client certificates must chain to (mTLS); a "
         "certificate's URI SAN 'learner:SLOT' (or 'learner:PREFIX*') names the slots it is for",
     )
+    health_listen: str = Field(
+        "",
+        description="HOST:PORT of a plaintext gRPC port serving only the health service (for "
+        "probes that cannot speak TLS, as the kubelet's); empty: none",
+    )
     hello_timeout_s: float = Field(
         10.0, gt=0.0, description="a session that sends no hello within this long is closed"
     )

@@ -132,6 +132,14 @@ async def serve(settings: SynchronizerSettings) -> None:
         server,
     )
     metrics_server, _ = tm.serve_metrics("synchronizer", settings.metrics_listen)
+    probes = None
+    if settings.health_listen:
+        # Health only, in plaintext: probes that cannot speak TLS; nothing else is served.
+        probes = grpc.aio.server(options=server_options())
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probes)
+        if probes.add_insecure_port(settings.health_listen) == 0:
+            raise SystemExit(f"cannot listen on --health-listen {settings.health_listen}")
+        await probes.start()
     await server.start()
     bound_metrics = metrics_server.server_port
     log.info(
@@ -166,6 +174,8 @@ async def serve(settings: SynchronizerSettings) -> None:
     for conn in list(service.sessions.connections.values()):
         conn.outbox.put_nowait(None)
     await server.stop(DRAIN_SECONDS)
+    if probes is not None:
+        await probes.stop(0)
     for task in tasks:
         task.cancel()
     for task in tasks:

@@ -8,6 +8,7 @@ the global state (versions, values, pending updates, spec, live learners).
 from __future__ import annotations
 
 import hashlib
+import socket
 import threading
 import time
 import uuid
@@ -19,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -195,11 +197,21 @@ def test_mtls_a_learner_with_its_certificate_trains_one_without_is_refused(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     files = tls.generate(tmp_path / "tls", ["l0", "l1"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        health_port = s.getsockname()[1]
     sync = synchronizer_child(
         tmp_path,
         redis_server.url,
         "sync-tls",
-        ["--fragments", str(P), "--grace-seconds", "0"],
+        [
+            "--fragments",
+            str(P),
+            "--grace-seconds",
+            "0",
+            "--health-listen",
+            f"127.0.0.1:{health_port}",
+        ],
         security=[
             "--tls-cert",
             str(files.server_cert),
@@ -236,6 +248,16 @@ def test_mtls_a_learner_with_its_certificate_trains_one_without_is_refused(
         )
         assert snapshot(r) == before
         still_merges(c, r)
+        # Probes that speak no TLS reach the health service, and only it, in plaintext.
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            assert check(health_pb2.HealthCheckRequest(), timeout=5).status == (
+                health_pb2.HealthCheckResponse.SERVING
+            )
+            fetch_state = channel.unary_stream(SERVICE + "FetchState")
+            with pytest.raises(grpc.RpcError) as err:
+                list(fetch_state(b"", timeout=5))
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         c.close()
         sync.stop()
