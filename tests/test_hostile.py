@@ -555,6 +555,42 @@ def test_a_state_fetch_asking_every_fragment_many_times_is_refused(
     still_merges(c, r)
 
 
+def test_a_slot_has_a_bounded_number_of_ingest_calls_in_flight(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    _, c, r = job
+    before = snapshot(r)
+    half = N0 // 2
+    zeros = np.zeros(N0, np.float32).tobytes()
+    segments = [
+        codecs.Segment(0, half, zeros[: 4 * half]),
+        codecs.Segment(half, N0 - half, zeros[4 * half :]),
+    ]
+    chunks = support.chunks_for(0, segments, num_elements=N0, seq=960, learner="l1", **FP32)
+    release = threading.Event()
+
+    def stalled() -> Iterator[session_pb2.UpdateChunk]:
+        yield chunks[0]
+        release.wait(30)
+
+    with grpc.insecure_channel(owner_address(c, 0)) as channel:
+        call = channel.stream_unary(
+            SERVICE + "Ingest",
+            request_serializer=session_pb2.UpdateChunk.SerializeToString,
+            response_deserializer=session_pb2.Ack.FromString,
+        )
+        held = [call.future(stalled(), metadata=bearer("l1"), timeout=30) for _ in range(8)]
+        time.sleep(1.0)
+        with pytest.raises(grpc.RpcError) as err:
+            call(stalled(), metadata=bearer("l1"), timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        release.set()
+        for future in held:  # each ends incomplete: refused, nothing kept
+            assert future.result().status == session_pb2.ACK_STATUS_REJECTED
+    assert snapshot(r) == before
+    still_merges(c, r)
+
+
 def test_a_session_without_hello_is_closed_at_its_deadline(
     job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
 ) -> None:
