@@ -254,7 +254,11 @@ def test_mtls_a_learner_with_its_certificate_trains_one_without_is_refused(
             assert check(health_pb2.HealthCheckRequest(), timeout=5).status == (
                 health_pb2.HealthCheckResponse.SERVING
             )
-            fetch_state = channel.unary_stream(SERVICE + "FetchState")
+            fetch_state = channel.unary_stream(
+                SERVICE + "FetchState",
+                request_serializer=bytes,
+                response_deserializer=bytes,
+            )
             with pytest.raises(grpc.RpcError) as err:
                 list(fetch_state(b"", timeout=5))
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
