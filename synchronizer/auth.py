@@ -183,7 +183,10 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             await context.abort(err.code, err.details)
             raise
         CALLER.set(identity)
-        key = (identity.name, name)
+        # A caller that may be any slot (the job's token, anonymous) is counted per
+        # connection, so learners sharing one credential do not share one limit.
+        who = identity.name if identity.patterns is not None else f"peer {context.peer()}"
+        key = (who, name)
         limit = self.limits.get(name)
         if limit is not None and self.in_flight[key] >= limit:
             await context.abort(

@@ -595,6 +595,48 @@ def test_a_slot_has_a_bounded_number_of_ingest_calls_in_flight(
     still_merges(c, r)
 
 
+def test_learners_sharing_the_jobs_token_do_not_share_one_ingest_limit(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer("--fragments", str(P), "--token", "shared-secret")
+    c = support.client([sync.address], "l0", token="shared-secret")
+    try:
+        support.initialize(c, P)
+        address = owner_address(c, 0)
+        zeros = np.zeros(N0, np.float32).tobytes()
+        segments = [codecs.Segment(0, 1, zeros[:4]), codecs.Segment(1, N0 - 1, zeros[4:])]
+        release = threading.Event()
+        shared = (("authorization", "Bearer shared-secret"),)
+        channels, held = [], []
+        for i in range(10):  # ten learners, each on its own connection
+            chunks = support.chunks_for(
+                0, segments, num_elements=N0, seq=970 + i, learner=f"x{i}", **FP32
+            )
+
+            def stalled(
+                first: session_pb2.UpdateChunk = chunks[0],
+            ) -> Iterator[session_pb2.UpdateChunk]:
+                yield first
+                release.wait(30)
+
+            channel = grpc.insecure_channel(address, options=[("atoll.test.connection", i)])
+            channels.append(channel)
+            call = channel.stream_unary(
+                SERVICE + "Ingest",
+                request_serializer=session_pb2.UpdateChunk.SerializeToString,
+                response_deserializer=session_pb2.Ack.FromString,
+            )
+            held.append(call.future(stalled(), metadata=shared, timeout=30))
+        time.sleep(1.0)
+        release.set()
+        for future in held:
+            assert future.result().status == session_pb2.ACK_STATUS_REJECTED  # cut short
+        for channel in channels:
+            channel.close()
+    finally:
+        c.close()
+
+
 def test_a_session_without_hello_is_closed_at_its_deadline(
     job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
 ) -> None:
