@@ -107,12 +107,12 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         tokens: dict[str, bytes] | None,
         shared_token: str | None,
         anonymous: bool,
-        max_ingest_per_slot: int,
+        max_fetches: int = 2,
     ) -> None:
         self.prefix = f"/{service}/"
         self.mtls, self.tokens, self.anonymous = mtls, tokens or {}, anonymous
         self.shared = hashlib.sha256(shared_token.encode()).digest() if shared_token else None
-        self.limits = {"Ingest": max_ingest_per_slot, "FetchState": 2}
+        self.limits = {"FetchState": max_fetches}  # Ingest: per slot, in its handler
         self.in_flight: Counter[tuple[str, str]] = Counter()
 
     # --- who is it --------------------------------------------------------------------

@@ -9,6 +9,7 @@ again if anything fails.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -64,8 +65,11 @@ class Ingest:
         store: ControlStore,
         ownership: Ownership,
         layout: Callable[[], FragmentLayout | None],
+        max_per_slot: int = 8,
     ) -> None:
         self.config, self.store, self.ownership, self._layout = config, store, ownership, layout
+        self.max_per_slot = max_per_slot
+        self.in_flight: Counter[str] = Counter()  # Ingest calls per learner slot
 
     async def Ingest(
         self,
@@ -77,11 +81,32 @@ class Ingest:
         except StopAsyncIteration:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an Ingest call sent no chunk")
             raise
-        layout = self._layout()
         try:
             auth.check_slot(first.learner_id)
         except auth.AuthError as err:
             await context.abort(err.code, err.details)
+        slot = first.learner_id
+        if self.in_flight[slot] >= self.max_per_slot:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"learner slot {slot[:64]!r} has {self.max_per_slot} Ingest calls in flight "
+                "already (--max-ingest-per-slot); wait for them",
+            )
+        self.in_flight[slot] += 1
+        try:
+            return await self._admit(first, request_iterator, context)
+        finally:
+            self.in_flight[slot] -= 1
+            if self.in_flight[slot] <= 0:
+                del self.in_flight[slot]
+
+    async def _admit(
+        self,
+        first: session_pb2.UpdateChunk,
+        request_iterator: AsyncIterator[session_pb2.UpdateChunk],
+        context: grpc.aio.ServicerContext[session_pb2.UpdateChunk, session_pb2.Ack],
+    ) -> session_pb2.Ack:
+        layout = self._layout()
         try:
             check_update_fields(first)
             if layout is None:

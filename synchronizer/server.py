@@ -69,7 +69,6 @@ def authenticator(settings: SynchronizerSettings) -> Authenticator:
         tokens=tokens,
         shared_token=settings.token,
         anonymous=settings.insecure and not (mtls or tokens or settings.token),
-        max_ingest_per_slot=settings.max_ingest_per_slot,
     )
 
 
