@@ -183,10 +183,9 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             await context.abort(err.code, err.details)
             raise
         CALLER.set(identity)
-        # A caller that may be any slot (the job's token, anonymous) is counted per
-        # connection, so learners sharing one credential do not share one limit.
-        who = identity.name if identity.patterns is not None else f"peer {context.peer()}"
-        key = (who, name)
+        # Counted per connection: learners sharing one credential (a pool's certificate, the
+        # job's token) do not share one limit.
+        key = (f"{identity.name} {context.peer()}", name)
         limit = self.limits.get(name)
         if limit is not None and self.in_flight[key] >= limit:
             await context.abort(
