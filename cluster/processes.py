@@ -168,11 +168,14 @@ class SynchronizerChild(Child):
         return self
 
 
-def synchronizer_args(port: int, redis_url: str, tensor_store: str) -> list[str]:
+def synchronizer_args(
+    port: int, redis_url: str, tensor_store: str, security: Sequence[str] = ("--insecure",)
+) -> list[str]:
     """`atoll synchronizer` on a loopback port (0: any), metrics on any port, this Redis and
-    tensor store."""
+    tensor store; plaintext (loopback) unless `security` gives TLS flags."""
     return [
         "synchronizer",
+        *security,
         "--listen",
         f"127.0.0.1:{port}",
         "--metrics-listen",
@@ -191,11 +194,12 @@ def synchronizer_child(
     job_args: Sequence[str] = (),
     port: int = 0,
     tensor_store: Path | None = None,
+    security: Sequence[str] = ("--insecure",),
 ) -> SynchronizerChild:
     """A replica; replicas of one workdir share its `tensors` folder as their tensor store."""
     log_path = workdir / f"{replica}.log"
     args = atoll_command(
-        *synchronizer_args(port, redis_url, str(tensor_store or workdir / "tensors")),
+        *synchronizer_args(port, redis_url, str(tensor_store or workdir / "tensors"), security),
         "--replica-id",
         replica,
         "--port-file",

@@ -69,6 +69,11 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         description="per-learner batch size (sequences per step), e.g. 16,16,16,4; default "
         "all --batch-size",
     )
+    tls: bool = Field(
+        False,
+        description="run the cluster on mTLS: a throwaway CA, a server certificate and one "
+        "client certificate per learner slot (in the workdir's tls folder)",
+    )
     live: bool = Field(True, description="show the live view when stdout is a terminal")
     log_every: int = Field(10, ge=1, description="steps between loss points in summaries/plots")
     timeout_s: float = Field(3600.0, gt=0.0, description="stop everything after this long")

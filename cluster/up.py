@@ -16,6 +16,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -38,6 +39,7 @@ from cluster.report import build_report, check_invariants, merged_by_incarnation
 from cluster.settings import UpSettings
 from cluster.view import ClusterState, LiveView, read_state
 from learner.settings import ModelConfig
+from services import tls
 from services.config import JobConfig
 from services.goodput import commits, provisioned_seconds
 from services.tape import Tape
@@ -186,6 +188,22 @@ class LocalCluster:
             self.tape.write("restarted", **self._whom(child))
 
     # --- start ----------------------------------------------------------------------------
+    def security(self) -> Callable[[str | None], list[str]]:
+        """Each child's transport flags (None: a synchronizer's): with --tls, a throwaway CA
+        and mTLS everywhere; otherwise plaintext on loopback."""
+        if not self.s.tls:
+            return lambda _: ["--insecure"]
+        files = tls.generate(self.workdir / "tls", [f"learner-{i}" for i in range(self.s.learners)])
+
+        def flags(slot: str | None) -> list[str]:
+            if slot is None:
+                cert, key = files.server_cert, files.server_key
+            else:
+                cert, key = files.client(slot)
+            return ["--tls-ca", str(files.ca), "--tls-cert", str(cert), "--tls-key", str(key)]
+
+        return flags
+
     def start(self) -> None:
         if not self.redis_url:
             self.redis = RedisServer(self.workdir / "redis", appendonly=True).start()
@@ -199,12 +217,14 @@ class LocalCluster:
             "run_started",
             **{k: v for k, v in job.model_dump(mode="json").items() if k in RUN_KEYS},
         )
+        security = self.security()
         for i in range(self.s.synchronizers):
             child = synchronizer_child(
                 self.workdir,
                 self.redis_url,
                 f"synchronizer-{i}",
                 [*job_args, "--log-level", "info", *tape_args],
+                security=security(None),
             )
             self.synchronizers.append(child.start_and_wait())
         addresses = ",".join(s.address for s in self.synchronizers)
@@ -228,9 +248,16 @@ class LocalCluster:
         for i in range(self.s.learners):
             name = f"learner-{i}"
             order = self.proxy.addresses[i] if self.proxy else addresses.split(",")
+            # Owners are reached through the same proxy as the session: a fault cuts both.
+            routes = (
+                [f"{s.address}={p}" for s, p in zip(self.synchronizers, order, strict=True)]
+                if self.proxy
+                else []
+            )
             order = order[i % len(order) :] + order[: i % len(order)]  # spread over replicas
             args = atoll_command(
                 "learner",
+                *security(name),
                 *model_args,
                 "--eval-every",
                 str(turns),
@@ -238,6 +265,7 @@ class LocalCluster:
                 str(i * self.s.eval_every),
                 "--synchronizer",
                 ",".join(order),
+                *(["--route", ",".join(routes)] if routes else []),
                 "--id",
                 name,
                 "--job",

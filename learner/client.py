@@ -151,15 +151,25 @@ class SynchronizerClient:
         incarnation: str,
         params: Sequence[LeafSpec],
         token: str = "",
+        credentials: grpc.ChannelCredentials | None = None,
         max_backoff_s: float = 5.0,
         connect_timeout_s: float = 30.0,
+        routes: Mapping[str, str] | None = None,
     ) -> None:
+        """`credentials`: TLS (services.tls.learner_credentials); None: plaintext. `token`
+        goes with every call as `authorization: Bearer` (per-slot or the job's). `routes`:
+        advertised owner address -> the address this learner reaches it at."""
         if not addresses:
             raise ValueError("give at least one synchronizer address HOST:PORT")
         self.addresses = list(addresses)
+        self.routes = dict(routes or {})
         self.job, self.learner_id, self.incarnation = job, learner_id, incarnation
         self.params = list(params)
         self.token = token
+        self.credentials = credentials
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ()
+        )
         self.max_backoff_s = max_backoff_s
         self.connect_timeout_s = connect_timeout_s
         self.stats = ClientStats()
@@ -310,7 +320,7 @@ class SynchronizerClient:
         # A fragment that does not exist has no owner: any replica refuses it.
         owner = self.owners.get(fragment) or next(iter(self.owners.values()))
         call = self._ingest_call(owner.address)
-        ack: session_pb2.Ack = call(iter(chunks), timeout=INGEST_TIMEOUT_S)
+        ack: session_pb2.Ack = call(iter(chunks), timeout=INGEST_TIMEOUT_S, metadata=self._metadata)
         return ack
 
     def heartbeat(
@@ -376,15 +386,22 @@ class SynchronizerClient:
 
     # --- ingest: updates to their fragments' owners -------------------------------------
     def _ingest_call(self, address: str) -> Any:
+        address = self.routes.get(address, address)
         channel = self._owner_channels.get(address)
         if channel is None:
-            channel = grpc.insecure_channel(address, options=channel_options(self.max_backoff_s))
+            channel = self._open_channel(address)
             self._owner_channels[address] = channel
         return channel.stream_unary(
             f"/{SERVICE}/Ingest",
             request_serializer=counting_serializer(_serialize, self._count_up),
             response_deserializer=counting_parser(session_pb2.Ack.FromString, self._count_down),
         )
+
+    def _open_channel(self, address: str) -> grpc.Channel:
+        options = channel_options(self.max_backoff_s)
+        if self.credentials is None:
+            return grpc.insecure_channel(address, options=options)
+        return grpc.secure_channel(address, self.credentials, options=options)
 
     def _next_to_send(self) -> tuple[_Outgoing, session_pb2.FragmentOwner] | None:
         """The oldest update that its fragment's current owner does not hold (under lock)."""
@@ -409,7 +426,7 @@ class SynchronizerClient:
                 self._sending.add(out.seq)
                 call = self._ingest_call(owner.address)
             try:
-                ack = call(iter(out.chunks), timeout=INGEST_TIMEOUT_S)
+                ack = call(iter(out.chunks), timeout=INGEST_TIMEOUT_S, metadata=self._metadata)
             except grpc.RpcError as err:
                 with self._lock:
                     self._sending.discard(out.seq)
@@ -463,7 +480,7 @@ class SynchronizerClient:
         )
         out: list[GlobalFragment] = []
         assembling: dict[int, _Assembly] = {}
-        for chunk in fetch(request, timeout=120):
+        for chunk in fetch(request, timeout=120, metadata=self._metadata):
             p = chunk.header.fragment
             if chunk.unchanged and p in mine:
                 out.append(GlobalFragment(p, chunk.version, mine[p].copy()))
@@ -505,7 +522,6 @@ class SynchronizerClient:
                 job=self.job,
                 learner_id=self.learner_id,
                 incarnation=self.incarnation,
-                token=self.token,
                 params=[
                     fragment_pb2.TensorSpec(name=p.name, shape=p.shape, dtype=p.dtype)
                     for p in self.params
@@ -544,12 +560,12 @@ class SynchronizerClient:
     def _session(self, address: str, first: bool) -> None:
         if self._channel is not None:
             self._channel.close()
-        self._channel = grpc.insecure_channel(address, options=channel_options(self.max_backoff_s))
+        self._channel = self._open_channel(address)
         session = self._method("stream_stream", "Session", session_pb2.SynchronizerMessage)
         outbox: queue.Queue[Outbound | None] = queue.Queue()
         outbox.put(self._hello())
         self._outbox = outbox
-        responses = session(self._requests(outbox))
+        responses = session(self._requests(outbox), metadata=self._metadata)
         assembling: dict[int, _Assembly] = {}
         try:
             for message in responses:

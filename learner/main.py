@@ -9,6 +9,7 @@ import structlog
 
 from learner.settings import LearnerSettings
 from services import telemetry as tm
+from services import tls
 
 log = structlog.get_logger("atoll.learner")
 
@@ -37,6 +38,13 @@ def use_compile_cache(folder: Path) -> None:
 
 def run(settings: LearnerSettings) -> None:
     tm.configure_logging(settings.log_level)
+    if not settings.standalone:
+        try:
+            tls.learner_credentials(
+                settings.insecure, settings.tls_ca, settings.tls_cert, settings.tls_key
+            )
+        except tls.TlsError as err:
+            raise SystemExit(f"atoll learner: {err}") from None
     limit_threads(settings.threads)
     if settings.compile_cache is not None:
         use_compile_cache(settings.compile_cache)

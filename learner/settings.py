@@ -71,9 +71,26 @@ class LearnerSettings(ModelConfig, AtollSettings):
         default_factory=lambda: ["127.0.0.1:50051"],
         description="synchronizer addresses HOST:PORT (repeat or comma-separate); tried in turn",
     )
+    route: list[str] = Field(
+        default_factory=list,
+        description="ADVERTISED=REACHABLE (repeat or comma-separate): reach a replica that "
+        "advertises HOST:PORT at another HOST:PORT (a proxy, a NAT, a port forward)",
+    )
     id: str = Field(default_factory=socket.gethostname, description="stable learner slot name")
     job: str = Field("default", description="job to join (must match the synchronizer's)")
-    token: str = Field("", description="shared secret, if the synchronizer requires one")
+    token: str = Field(
+        "", description="this slot's token (or the job's shared one), sent as a bearer token"
+    )
+    insecure: bool = Field(
+        False, description="plaintext gRPC (no TLS); only on loopback or a trusted network"
+    )
+    tls_ca: Path | None = Field(
+        None, description="PEM CA the synchronizers' certificates chain to (TLS)"
+    )
+    tls_cert: Path | None = Field(
+        None, description="PEM client certificate of this learner slot (mTLS)"
+    )
+    tls_key: Path | None = Field(None, description="PEM private key of --tls-cert")
     steps: int = Field(0, ge=0, description="inner steps to run, then leave; 0: run until stopped")
     shard: int = Field(0, ge=0, description="this learner's data shard index")
     num_shards: int = Field(1, ge=1, description="number of data shards")

@@ -55,6 +55,7 @@ from learner.settings import LearnerSettings
 from learner.workload import FlatParams, Named
 from services import codec as codecs
 from services import telemetry as tm
+from services import tls
 from services.config import INIT_CLAIM_S
 from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
@@ -131,7 +132,11 @@ class SyncEngine:
             incarnation=self.incarnation,
             params=self.specs,
             token=settings.token,
+            credentials=tls.learner_credentials(
+                settings.insecure, settings.tls_ca, settings.tls_cert, settings.tls_key
+            ),
             max_backoff_s=settings.max_backoff_s,
+            routes=parse_routes(settings.route),
         )
 
     # --- joining --------------------------------------------------------------------------
@@ -638,3 +643,14 @@ def _rebase(incoming: jax.Array, theta: jax.Array, sent: jax.Array) -> jax.Array
     """The new global value plus the local progress since the update was taken (float32,
     as learner.outer.rebase computes it on the host)."""
     return incoming + (theta - sent)
+
+
+def parse_routes(items: list[str]) -> dict[str, str]:
+    """`--route ADVERTISED=REACHABLE[,...]` as a mapping; a malformed one is refused."""
+    routes = {}
+    for item in (r for entry in items for r in entry.split(",") if r):
+        advertised, sep, reachable = item.partition("=")
+        if not sep or not advertised or not reachable:
+            raise ValueError(f"--route {item!r} is not ADVERTISED=REACHABLE (HOST:PORT=HOST:PORT)")
+        routes[advertised] = reachable
+    return routes

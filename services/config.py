@@ -127,6 +127,20 @@ class JobConfig(BaseModel):
         "reached, every learner does its final sync and stops (a learner slowed by a fault "
         "does fewer steps, the others more); 0: each learner runs its own --steps",
     )
+    max_update_norm_ratio: float = Field(
+        10.0,
+        gt=1.0,
+        description="an update whose L2 norm exceeds this many times the median norm of the "
+        "fragment's last 16 accepted updates is refused (before any history: this many times "
+        "the fragment's own norm)",
+    )
+    max_weight_share: float = Field(
+        2.0,
+        ge=1.0,
+        description="an update weighs at most this many times the median weight of the "
+        "fragment's last 16 accepted updates (known before it is summed), so no one "
+        "learner's token count buys the merge",
+    )
 
 
 class AtollSettings(BaseSettings):
@@ -196,7 +210,39 @@ class SynchronizerSettings(JobConfig, AtollSettings):
     init_from: Path | None = Field(
         None, description=".npz of initial parameters (leaf name -> array); unset: first learner's"
     )
-    token: str | None = Field(None, description="shared secret learners must present")
+    token: str | None = Field(
+        None,
+        description="a secret shared by every learner of the job (sent as a bearer token): "
+        "it authenticates the job, not a slot; prefer --learner-tokens-file or client "
+        "certificates",
+    )
+    learner_tokens_file: Path | None = Field(
+        None,
+        description="per-slot tokens: lines 'SLOT SHA256HEX' (the token's SHA-256 in hex); a "
+        "learner presents its token as 'authorization: Bearer TOKEN' and speaks only for SLOT",
+    )
+    insecure: bool = Field(
+        False,
+        description="serve plaintext gRPC (no TLS); only on loopback or a trusted network",
+    )
+    tls_cert: Path | None = Field(None, description="PEM server certificate (chain) for TLS")
+    tls_key: Path | None = Field(None, description="PEM private key of --tls-cert")
+    tls_ca: Path | None = Field(
+        None,
+        description="PEM CA that learners' client certificates must chain to (mTLS); a "
+        "certificate's URI SAN 'learner:SLOT' (or 'learner:PREFIX*') names the slots it is for",
+    )
+    health_listen: str = Field(
+        "",
+        description="HOST:PORT of a plaintext gRPC port serving only the health service (for "
+        "probes that cannot speak TLS, as the kubelet's); empty: none",
+    )
+    hello_timeout_s: float = Field(
+        10.0, gt=0.0, description="a session that sends no hello within this long is closed"
+    )
+    max_ingest_per_slot: int = Field(
+        8, ge=1, description="Ingest calls one learner slot may have in flight at once"
+    )
     log_level: str = Field("info", description="debug, info, warning or error")
     port_file: Path | None = Field(
         None, description="write the bound gRPC and metrics ports here (JSON) once serving"
@@ -209,4 +255,22 @@ class SynchronizerSettings(JobConfig, AtollSettings):
     def _check_init(self) -> SynchronizerSettings:
         if self.init_from is not None and not self.init_from.is_file():
             raise ValueError(f"--init-from {self.init_from}: no such file; give an .npz checkpoint")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give both --tls-cert and --tls-key, or neither")
         return self
+
+    def transport_problem(self) -> str | None:
+        """Why this replica may not start as configured (None: it may)."""
+        if self.insecure or self.tls_cert is not None:
+            if self.tls_ca is not None and self.tls_cert is None:
+                return "--tls-ca needs --tls-cert and --tls-key (the server's certificate)"
+            if not self.insecure and not (self.tls_ca or self.learner_tokens_file or self.token):
+                return (
+                    "TLS without a way for learners to authenticate: pass --tls-ca (learner "
+                    "certificates), --learner-tokens-file or --token"
+                )
+            return None
+        return (
+            "no TLS certificate: pass --tls-cert and --tls-key (and --tls-ca to require learner "
+            "certificates), or --insecure to serve plaintext on a trusted network"
+        )

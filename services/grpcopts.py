@@ -24,8 +24,17 @@ _COMMON: list[tuple[str, int]] = [
 ]
 
 
+# Streams one connection may have open at once: a learner needs a session, an Ingest call
+# and a state fetch or two; what one connection can hold in flight is this times a message.
+MAX_STREAMS_PER_CONNECTION = 100
+
+
 def server_options() -> list[tuple[str, int]]:
-    return [*_COMMON, ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+    return [
+        *_COMMON,
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    ]
 
 
 def channel_options(max_backoff_s: float = BACKOFF_MAX_S) -> list[tuple[str, int]]:

@@ -39,6 +39,7 @@ REJECT_REASONS = (
     "non_finite",
     "stale",
     "bad_request",
+    "norm",
 )
 BADPUT_SOURCES = ("startup", "compile", "waiting", "recovery", "lost")
 

@@ -5,6 +5,7 @@ Nothing here touches state; a refused update never reaches the store.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import grpc
@@ -51,6 +52,19 @@ def check_header(
         codec = codecs.by_wire(header.codec)
     except codecs.CodecError as err:
         raise _invalid("bad_codec", str(err)) from None
+    if not 1 <= header.chunk_count <= max(1, expected):
+        raise _invalid(
+            "out_of_order", f"chunk_count {header.chunk_count} is out of 1..{max(1, expected)}"
+        )
+    if header.block_size > codecs.MAX_BLOCK_SIZE:
+        raise _invalid("bad_codec", f"block_size {header.block_size} is over the maximum")
+    limit = max_payload_bytes(expected, header.block_size, header.chunk_count)
+    if header.total_bytes > limit:
+        raise _invalid(
+            "shape_mismatch",
+            f"the update announces {header.total_bytes} bytes; {expected} values encode in "
+            f"at most {limit}",
+        )
     if kind == session_pb2.UPDATE_KIND_INITIAL and codec.name != "fp32":
         raise _invalid("bad_codec", "initial parameters must be sent with the fp32 codec")
     if kind == session_pb2.UPDATE_KIND_OUTER_GRADIENT and c_steps < 1:
@@ -79,6 +93,8 @@ def check_chunk(
         or chunk.seq != first.seq
         or chunk.kind != first.kind
         or chunk.base_version != first.base_version
+        or chunk.learner_id != first.learner_id
+        or chunk.incarnation != first.incarnation
     ):
         raise _invalid(
             "out_of_order", "header changed between chunks of one update; resend it whole"
@@ -102,3 +118,102 @@ def check_chunk(
             f"chunk {index} holds {count} values, not whole blocks of {block}; every chunk "
             "but the last must hold whole blocks",
         )
+
+
+# --- ranges of every field a learner sends -------------------------------------------------
+MAX_LEAVES = 100_000  # leaves of a model spec in a hello
+MAX_HELLO_BYTES = 4 << 20
+MAX_NAME_CHARS = 256  # job, learner ids, incarnations
+MAX_LEAF_NAME_CHARS = 1024
+MAX_RANK = 16
+MAX_LEAF_VALUES = 1 << 40
+MAX_C_STEPS = 10**9
+MAX_C_TOKENS = 10**15
+MAX_COMPUTE_SECONDS = 1e6
+MAX_STEP = 2**53  # exact in a double (Redis's Lua numbers)
+MAX_STEP_TIME_S = 3600.0
+
+
+def _finite_in(value: float, low: float, high: float) -> bool:
+    return math.isfinite(value) and low <= value <= high
+
+
+def check_hello(hello: session_pb2.Hello, job: str) -> None:
+    """A hello's fields and size, before any of its spec is parsed."""
+    if hello.job != job:
+        raise Rejection(
+            "bad_request",
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"this synchronizer serves job {job!r}, not {hello.job[:MAX_NAME_CHARS]!r}; "
+            "check --job",
+        )
+    if not hello.learner_id or not hello.incarnation:
+        raise _invalid("bad_request", "hello needs a learner_id and an incarnation")
+    if max(len(hello.learner_id), len(hello.incarnation)) > MAX_NAME_CHARS:
+        raise _invalid("bad_request", f"learner_id and incarnation: at most {MAX_NAME_CHARS} chars")
+    if len(hello.params) > MAX_LEAVES:
+        raise _invalid(
+            "bad_request", f"the model spec has {len(hello.params)} leaves; at most {MAX_LEAVES}"
+        )
+    if hello.ByteSize() > MAX_HELLO_BYTES:
+        raise _invalid("bad_request", f"hello is over {MAX_HELLO_BYTES} bytes")
+    if not 0 <= hello.step <= MAX_STEP:
+        raise _invalid("bad_request", f"hello step {hello.step} is out of 0..2^53")
+    for leaf in hello.params:
+        values = 1
+        for d in leaf.shape:
+            values *= max(0, d)
+        if (
+            len(leaf.name) > MAX_LEAF_NAME_CHARS
+            or len(leaf.shape) > MAX_RANK
+            or any(d < 0 for d in leaf.shape)
+            or values > MAX_LEAF_VALUES
+        ):
+            raise _invalid(
+                "bad_request",
+                f"leaf {leaf.name[:64]!r}: name over {MAX_LEAF_NAME_CHARS} chars, rank over "
+                f"{MAX_RANK}, a negative dimension or over 2^40 values",
+            )
+
+
+def check_heartbeat(hb: session_pb2.Heartbeat) -> None:
+    """A heartbeat's numbers: steps exact in a double, seconds and rates finite and sane,
+    losses finite or NaN (NaN: not known yet)."""
+    if not 0 <= hb.step <= MAX_STEP:
+        raise _invalid("bad_request", f"heartbeat step {hb.step} is out of 0..2^53")
+    if not _finite_in(hb.step_time_ema_s, 0.0, MAX_STEP_TIME_S):
+        raise _invalid("bad_request", f"step_time_ema_s must be finite, 0..{MAX_STEP_TIME_S:.0f} s")
+    if not _finite_in(hb.tokens_per_s, 0.0, math.inf):
+        raise _invalid("bad_request", "tokens_per_s must be finite and >= 0")
+    for name in ("loss", "eval_loss"):
+        value = getattr(hb, name)
+        if math.isinf(value):
+            raise _invalid("bad_request", f"{name} must be finite, or NaN while unknown")
+    if len(hb.still_to_send) > 1 << 16:
+        raise _invalid("bad_request", "still_to_send names too many fragments")
+
+
+def check_update_fields(chunk: session_pb2.UpdateChunk) -> None:
+    """The first chunk's numbers (its weight, compute time, sizes) before anything is summed."""
+    if chunk.kind == session_pb2.UPDATE_KIND_OUTER_GRADIENT and not (
+        1 <= chunk.c_steps <= MAX_C_STEPS
+    ):
+        raise _invalid("bad_request", f"c_steps {chunk.c_steps} is out of 1..{MAX_C_STEPS}")
+    if not 0 <= chunk.c_tokens <= MAX_C_TOKENS:
+        raise _invalid("bad_request", f"c_tokens {chunk.c_tokens} is out of 0..10^15")
+    if not _finite_in(chunk.compute_seconds, 0.0, MAX_COMPUTE_SECONDS):
+        raise _invalid(
+            "bad_request", f"compute_seconds must be finite, 0..{MAX_COMPUTE_SECONDS:.0f}"
+        )
+    if any(not _finite_in(n, 0.0, math.inf) for n in chunk.tensor_norms):
+        raise _invalid("non_finite", "tensor_norms must be finite and >= 0")
+    if max(len(chunk.learner_id), len(chunk.incarnation)) > MAX_NAME_CHARS:
+        raise _invalid("bad_request", f"learner_id and incarnation: at most {MAX_NAME_CHARS} chars")
+
+
+def max_payload_bytes(n: int, block_size: int, chunks: int) -> int:
+    """The most bytes any codec encodes `n` values in, cut in `chunks` chunks: fp32's four
+    per value, or a codec's per-block scales and offsets (at most 4 + 4 bytes per block
+    and chunk) on top of at most a byte per value."""
+    blocks = -(-n // block_size) + chunks if block_size else 0
+    return 4 * n + 16 * blocks

@@ -6,7 +6,16 @@ from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from services.layout import LeafSpec, fragment_layout
 from services.wire import make_header
-from synchronizer.admission import Rejection, check_header, check_payload
+from synchronizer.admission import (
+    MAX_LEAVES,
+    Rejection,
+    check_header,
+    check_heartbeat,
+    check_hello,
+    check_payload,
+    check_update_fields,
+    max_payload_bytes,
+)
 
 LAYOUT = fragment_layout([LeafSpec("a", (100,)), LeafSpec("b", (50,))], 2)
 OUTER = session_pb2.UPDATE_KIND_OUTER_GRADIENT
@@ -48,3 +57,64 @@ def test_payload_checks() -> None:
     with pytest.raises(Rejection) as info:
         check_payload(h, codec, b"\x00" * 12)
     assert info.value.reason == "bad_codec"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("step", 2**64 - 1),
+        ("step_time_ema_s", 1e9),
+        ("step_time_ema_s", float("nan")),
+        ("tokens_per_s", -1.0),
+        ("tokens_per_s", float("inf")),
+        ("loss", float("inf")),
+    ],
+)
+def test_heartbeats_out_of_range_are_refused(field: str, value: float) -> None:
+    hb = session_pb2.Heartbeat(step=10, step_time_ema_s=0.5, tokens_per_s=100.0)
+    setattr(hb, field, value)
+    with pytest.raises(Rejection):
+        check_heartbeat(hb)
+
+
+def test_a_heartbeat_with_unknown_losses_passes() -> None:
+    check_heartbeat(session_pb2.Heartbeat(step=2**53, loss=float("nan"), eval_loss=float("nan")))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("c_steps", 0),
+        ("c_steps", 10**9 + 1),
+        ("c_tokens", 10**15 + 1),
+        ("compute_seconds", float("nan")),
+        ("compute_seconds", -1.0),
+        ("compute_seconds", 1e7),
+    ],
+)
+def test_update_numbers_out_of_range_are_refused(field: str, value: float) -> None:
+    chunk = session_pb2.UpdateChunk(kind=OUTER, c_steps=10, c_tokens=1000, compute_seconds=1.0)
+    check_update_fields(chunk)
+    setattr(chunk, field, value)
+    with pytest.raises(Rejection):
+        check_update_fields(chunk)
+
+
+def test_an_update_announcing_more_bytes_than_its_values_encode_in_is_refused() -> None:
+    check_header(header(total_bytes=max_payload_bytes(100, 256, 1)), OUTER, 1, LAYOUT)
+    with pytest.raises(Rejection, match="announces"):
+        check_header(header(total_bytes=324_000_000), OUTER, 1, LAYOUT)
+    with pytest.raises(Rejection, match="chunk_count"):
+        check_header(header(chunk_count=101), OUTER, 1, LAYOUT)
+
+
+def test_a_hello_with_too_many_leaves_is_refused_before_its_spec_is_read() -> None:
+    leaves = [fragment_pb2.TensorSpec(name="x", shape=[1])] * (MAX_LEAVES + 1)
+    hello = session_pb2.Hello(job="j", learner_id="a", incarnation="i", params=leaves)
+    with pytest.raises(Rejection, match="leaves"):
+        check_hello(hello, "j")
+    huge = session_pb2.Hello(
+        job="j", learner_id="a", incarnation="i", params=[fragment_pb2.TensorSpec(shape=[2**41])]
+    )
+    with pytest.raises(Rejection, match="2\\^40"):
+        check_hello(huge, "j")

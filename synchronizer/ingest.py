@@ -9,6 +9,7 @@ again if anything fails.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -21,8 +22,9 @@ from services import telemetry as tm
 from services.config import JobConfig
 from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout
-from synchronizer.admission import Rejection, check_chunk, check_header
-from synchronizer.owner import FragmentOwner, Update
+from synchronizer import auth
+from synchronizer.admission import Rejection, check_chunk, check_header, check_update_fields
+from synchronizer.owner import FragmentOwner, NormTooLarge, Update
 from synchronizer.ownership import Ownership
 from synchronizer.store import ControlStore
 
@@ -63,8 +65,11 @@ class Ingest:
         store: ControlStore,
         ownership: Ownership,
         layout: Callable[[], FragmentLayout | None],
+        max_per_slot: int = 8,
     ) -> None:
         self.config, self.store, self.ownership, self._layout = config, store, ownership, layout
+        self.max_per_slot = max_per_slot
+        self.in_flight: Counter[str] = Counter()  # Ingest calls per learner slot
 
     async def Ingest(
         self,
@@ -76,8 +81,34 @@ class Ingest:
         except StopAsyncIteration:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an Ingest call sent no chunk")
             raise
+        try:
+            auth.check_slot(first.learner_id)
+        except auth.AuthError as err:
+            await context.abort(err.code, err.details)
+        slot = first.learner_id
+        if self.in_flight[slot] >= self.max_per_slot:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"learner slot {slot[:64]!r} has {self.max_per_slot} Ingest calls in flight "
+                "already (--max-ingest-per-slot); wait for them",
+            )
+        self.in_flight[slot] += 1
+        try:
+            return await self._admit(first, request_iterator, context)
+        finally:
+            self.in_flight[slot] -= 1
+            if self.in_flight[slot] <= 0:
+                del self.in_flight[slot]
+
+    async def _admit(
+        self,
+        first: session_pb2.UpdateChunk,
+        request_iterator: AsyncIterator[session_pb2.UpdateChunk],
+        context: grpc.aio.ServicerContext[session_pb2.UpdateChunk, session_pb2.Ack],
+    ) -> session_pb2.Ack:
         layout = self._layout()
         try:
+            check_update_fields(first)
             if layout is None:
                 raise Rejection(
                     "bad_request",
@@ -102,23 +133,35 @@ class Ingest:
         """The call's chunks in order, each checked against the first's header."""
         expected_offset, n = 0, first.header.num_elements
         chunk: session_pb2.UpdateChunk | None = first
-        index = 0
+        index, received = 0, 0
         while chunk is not None:
             if index >= first.header.chunk_count:
                 raise Rejection(
                     "out_of_order", grpc.StatusCode.INVALID_ARGUMENT, "more chunks than announced"
                 )
             check_chunk(chunk, first, index, expected_offset, n)
+            received += len(chunk.data)
+            if received > first.header.total_bytes:
+                raise Rejection(
+                    "shape_mismatch",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the chunks hold more than the {first.header.total_bytes} bytes announced",
+                )
             yield chunk
             expected_offset += chunk.value_count
             index += 1
             chunk = await anext(rest, None)
-        if expected_offset != n or index != first.header.chunk_count:
+        if (
+            expected_offset != n
+            or index != first.header.chunk_count
+            or (received != first.header.total_bytes)
+        ):
             raise Rejection(
                 "out_of_order",
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"the update ended after {expected_offset} of {n} values "
-                f"({index} of {first.header.chunk_count} chunks); resend it whole",
+                f"the update ended after {expected_offset} of {n} values, {received} of "
+                f"{first.header.total_bytes} bytes ({index} of {first.header.chunk_count} "
+                "chunks); resend it whole",
             )
 
     async def _update(
@@ -138,18 +181,23 @@ class Ingest:
                     f"{len(owner.segments)} tensors in the first chunk (tensor_norms)",
                 ),
             )
-        update: Update = owner.begin(
-            learner=first.learner_id,
-            incarnation=first.incarnation,
-            seq=first.seq,
-            base_version=first.base_version,
-            c_steps=first.c_steps,
-            c_tokens=first.c_tokens,
-            compute_seconds=first.compute_seconds,
-            norms=list(first.tensor_norms),
-            codec=codec,
-            block_size=first.header.block_size,
-        )
+        try:
+            update: Update = owner.begin(
+                learner=first.learner_id,
+                incarnation=first.incarnation,
+                seq=first.seq,
+                base_version=first.base_version,
+                c_steps=first.c_steps,
+                c_tokens=first.c_tokens,
+                compute_seconds=first.compute_seconds,
+                norms=list(first.tensor_norms),
+                codec=codec,
+                block_size=first.header.block_size,
+            )
+        except NormTooLarge as err:
+            return await self._refuse(
+                first, Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            )
         try:
             async for chunk in self._chunks(first, rest):
                 try:
@@ -157,6 +205,8 @@ class Ingest:
                 except codecs.CodecError as err:
                     reason = "non_finite" if "NaN" in str(err) else "bad_codec"
                     raise Rejection(reason, grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+                except NormTooLarge as err:
+                    raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
             if update.hasher.intdigest() != first.header.checksum:
                 raise Rejection(
                     "checksum",

@@ -13,7 +13,10 @@ is taken out again.
 from __future__ import annotations
 
 import asyncio
+import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,6 +50,13 @@ KEEP_VALUES = 2
 KEEP_DELTAS = 10
 EVALUATE_EVERY_S = 0.1
 T_SYNC_DECAY = 0.8
+NORM_HISTORY = 16  # accepted updates' norms an update's norm is bounded against
+NORM_HISTORY_MIN = 3  # fewer: bounded against the fragment's own norm instead
+MAX_WEIGHTED_VALUE = 1e37  # weight x value beyond this would overflow the float32 sum
+
+
+class NormTooLarge(ValueError):
+    """An update's norm is out of bounds against the fragment's recent updates."""
 
 
 class OwnerLost(RuntimeError):
@@ -81,6 +91,12 @@ class Update:
     accumulator: Accumulator
     chunks: list[Chunk] = field(default_factory=list)
     hasher: Any = field(default_factory=xxhash.xxh3_64)
+    norm_bound: float | None = None  # None: not bounded (no reference yet)
+    squares: float = 0.0  # sum of squares of the decoded values so far
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(self.squares)
 
     @property
     def uid(self) -> str:
@@ -120,6 +136,9 @@ class FragmentOwner:
         self.theta = np.zeros(0, np.float32)
         self.state: list[np.ndarray] = []
         self.residual = np.zeros(0, np.float32)
+        self.theta_norm = 0.0
+        self.recent_norms: deque[float] = deque(maxlen=NORM_HISTORY)
+        self.recent_weights: deque[float] = deque(maxlen=NORM_HISTORY)
         self.current = self.rule.new(size, self.segments)
         self.members: list[Update] = []  # received into the open round
         self.in_flight: set[Update] = set()  # summing, not received yet
@@ -146,6 +165,7 @@ class FragmentOwner:
         value = await self.tensors.get_arrays(pointer.value, self.size)
         states = [(await self.tensors.get_arrays(n, self.size))[0] for n in pointer.state]
         self.theta = value[0]
+        self.theta_norm = float(np.linalg.norm(self.theta.astype(np.float64)))
         n_opt = len(self.optimizer.init(self.theta[:0]))
         self.state = states[:n_opt] or self.optimizer.init(self.theta)
         self.residual = states[n_opt] if len(states) > n_opt else np.zeros_like(self.theta)
@@ -182,8 +202,23 @@ class FragmentOwner:
         block_size: int,
     ) -> Update:
         weight = token_weight(c_tokens, c_steps)
+        if len(self.recent_weights) >= NORM_HISTORY_MIN:
+            # No update weighs more than --max-weight-share times the median weight of the
+            # fragment's recent updates (its fair share): whatever tokens it claims, it
+            # cannot buy the merge. Known before its first chunk is summed.
+            cap = self.config.max_weight_share * statistics.median(self.recent_weights)
+            if weight > cap:
+                log.info("weight_capped", fragment=self.fragment, learner=learner, weight=weight)
+                weight = cap
         if self.version is not None and self.config.staleness_decay != 1.0:
             weight *= staleness_weight(self.version - base_version, self.config.staleness_decay)
+        bound = self.norm_bound()
+        claimed = math.sqrt(sum(float(n) ** 2 for n in norms))
+        if bound is not None and claimed > bound:
+            raise NormTooLarge(
+                f"the update's tensor norms total {claimed:.3g}, over the bound {bound:.3g} "
+                f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)"
+            )
         update = Update(
             learner,
             incarnation,
@@ -197,9 +232,22 @@ class FragmentOwner:
             codec,
             block_size,
             self.current,
+            norm_bound=bound,
         )
         self.in_flight.add(update)
         return update
+
+    def norm_bound(self) -> float | None:
+        """The largest L2 norm an update may have: --max-update-norm-ratio times the median
+        of the fragment's recent accepted updates, or, before there are enough, times the
+        fragment's own norm (an outer gradient is a fraction of the parameters it moves)."""
+        ratio = self.config.max_update_norm_ratio
+        if len(self.recent_norms) >= NORM_HISTORY_MIN:
+            floor = 1e-3 * self.theta_norm  # a few tiny updates cannot shut the others out
+            return ratio * max(statistics.median(self.recent_norms), floor, 1e-12)
+        if self.theta_norm > 0:
+            return ratio * self.theta_norm
+        return None
 
     async def add(self, update: Update, offset: int, count: int, data: bytes) -> None:
         """Decode one chunk and sum it into the update's round (raises CodecError)."""
@@ -212,6 +260,19 @@ class FragmentOwner:
     # job runs, and its record says which that was.
     def _add(self, update: Update, offset: int, count: int, data: bytes) -> None:
         values = update.codec.decode(data, count, update.block_size)
+        with np.errstate(over="ignore"):
+            squares = float(np.dot(values, values))  # inf on overflow: refused below
+        if not math.isfinite(squares):
+            raise codecs.CodecError("payload decodes to NaN or Inf values (a scale overflows)")
+        bound = update.norm_bound
+        if bound is not None and update.squares + squares > bound * bound:
+            raise NormTooLarge(
+                f"the update's L2 norm is over {bound:.3g} "
+                f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)"
+            )
+        if values.size and float(np.abs(values).max()) * update.weight > MAX_WEIGHTED_VALUE:
+            raise NormTooLarge("the update's values times its weight overflow float32")
+        update.squares += squares
         target = update.accumulator
         target.add(offset, values, update.weight, update.norms)
         update.chunks.append(Chunk(offset, count, data, target))
@@ -275,6 +336,8 @@ class FragmentOwner:
         self.in_flight.discard(update)
         self.worker.submit(update.chunks.clear)  # received: nothing of it moves again
         update.accumulator.counted(update.weight, update.norms, 1)
+        self.recent_norms.append(update.norm)
+        self.recent_weights.append(update.weight)  # as capped: claims cannot ratchet it up
         self.members.append(update)  # of the open round: one sealed meanwhile moved it
         self.last_received = time.monotonic()
         tm.UPDATES_ACCEPTED.inc()
@@ -332,7 +395,18 @@ class FragmentOwner:
             members, sealed = self._seal()
             if not members:
                 return
-            await self._commit(members, sealed, live_learners, ready)
+            try:
+                await self._commit(members, sealed, live_learners, ready)
+            except (OwnerLost, asyncio.CancelledError):
+                raise
+            except BaseException as err:
+                # The round was sealed and the value may have moved in memory: nothing of it
+                # is committed, so this owner gives the fragment up; the next one loads the
+                # committed state and the learners resend the round's updates.
+                self.lost = True
+                tm.MERGE_ABORTS.inc()
+                log.error("merge_failed", fragment=self.fragment, error=repr(err))
+                raise OwnerLost(f"fragment {self.fragment}: merge failed ({err!r})") from err
         finally:
             self.merging = False
 

@@ -16,11 +16,13 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from services import telemetry as tm
+from services import tls
 from services.config import JobConfig, SynchronizerSettings
 from services.grpcopts import server_options, split_hostport
+from synchronizer.auth import Authenticator, load_tokens
 from synchronizer.service import SERVICE_NAME, SynchronizerService
 from synchronizer.store import ControlStore, StoreError, open_store, redact
 from synchronizer.tensors import TensorStore, TensorStoreError
@@ -55,7 +57,45 @@ def advertised(settings: SynchronizerSettings, port: int) -> str:
     return f"{host}:{port}"
 
 
+def authenticator(settings: SynchronizerSettings) -> Authenticator:
+    tokens = None
+    if settings.learner_tokens_file is not None:
+        try:
+            tokens = load_tokens(settings.learner_tokens_file)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"atoll synchronizer: --learner-tokens-file: {err}") from None
+    mtls = settings.tls_ca is not None
+    return Authenticator(
+        SERVICE_NAME,
+        mtls=mtls,
+        tokens=tokens,
+        shared_token=settings.token,
+        anonymous=settings.insecure and not (mtls or tokens or settings.token),
+    )
+
+
+def bind(server: grpc.aio.Server, settings: SynchronizerSettings) -> int:
+    """Listen with TLS (mTLS with --tls-ca), or in plaintext with --insecure."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return server.add_insecure_port(settings.listen)
+    try:
+        credentials = tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
+    except tls.TlsError as err:
+        raise SystemExit(f"atoll synchronizer: {err}") from None
+    return server.add_secure_port(settings.listen, credentials)
+
+
+def transport(settings: SynchronizerSettings) -> str:
+    if settings.tls_cert is None:
+        return "plaintext"
+    return "mtls" if settings.tls_ca is not None else "tls"
+
+
 async def serve(settings: SynchronizerSettings) -> None:
+    problem = settings.transport_problem()
+    if problem is not None:
+        raise SystemExit(f"atoll synchronizer: {problem}")
+    interceptor = authenticator(settings)
     store = open_store(settings.redis_url, settings.job)
     tensors = TensorStore(settings.tensor_store)
     job = await store.job_config(settings.model_dump(include=set(JobConfig.model_fields)))
@@ -69,8 +109,8 @@ async def serve(settings: SynchronizerSettings) -> None:
             + ", ".join(f"{k}={mine.get(k)!r}" for k in differing)
             + ". Start every replica with the same algorithm flags, or use a new --job."
         )
-    server = grpc.aio.server(options=server_options())
-    port = server.add_insecure_port(settings.listen)
+    server = grpc.aio.server(options=server_options(), interceptors=[interceptor])
+    port = bind(server, settings)
     if port == 0:
         raise SystemExit(f"cannot listen on {settings.listen}: the address is taken or invalid")
     service = SynchronizerService(settings, store, tensors, advertised(settings, port))
@@ -93,6 +133,14 @@ async def serve(settings: SynchronizerSettings) -> None:
         server,
     )
     metrics_server, _ = tm.serve_metrics("synchronizer", settings.metrics_listen)
+    probes = None
+    if settings.health_listen:
+        # Health only, in plaintext: probes that cannot speak TLS; nothing else is served.
+        probes = grpc.aio.server(options=server_options())
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probes)
+        if probes.add_insecure_port(settings.health_listen) == 0:
+            raise SystemExit(f"cannot listen on --health-listen {settings.health_listen}")
+        await probes.start()
     await server.start()
     bound_metrics = metrics_server.server_port
     log.info(
@@ -103,7 +151,8 @@ async def serve(settings: SynchronizerSettings) -> None:
         metrics_port=bound_metrics,
         replica=settings.replica_id,
         job=settings.job,
-        tensor_store=settings.tensor_store,
+        tensor_store=redact(settings.tensor_store),
+        transport=transport(settings),
     )
     service.tape.write("started", port=port)
     if settings.port_file is not None:
@@ -127,6 +176,8 @@ async def serve(settings: SynchronizerSettings) -> None:
     for conn in list(service.sessions.connections.values()):
         conn.outbox.put_nowait(None)
     await server.stop(DRAIN_SECONDS)
+    if probes is not None:
+        await probes.stop(0)
     for task in tasks:
         task.cancel()
     for task in tasks:
@@ -165,7 +216,7 @@ def run(settings: SynchronizerSettings) -> None:
         asyncio.run(serve(settings))
     except (StoreError, TensorStoreError) as err:
         raise SystemExit(f"atoll synchronizer: {err}") from None
-    except (RedisError, OSError) as err:
+    except (RedisError, RedisClusterException, OSError) as err:
         raise SystemExit(
             f"atoll synchronizer: cannot reach Redis at {redact(settings.redis_url)} "
             f"({type(err).__name__}); start it or fix --redis-url"

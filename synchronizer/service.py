@@ -59,7 +59,9 @@ class SynchronizerService:
             lambda: self.layout,
             self.adopt_spec,
         )
-        self.ingest = Ingest(settings, store, self.ownership, lambda: self.layout)
+        self.ingest = Ingest(
+            settings, store, self.ownership, lambda: self.layout, settings.max_ingest_per_slot
+        )
         self._bytes = {"up": 0, "down": 0}
 
     def adopt_spec(self, spec_json: str) -> None:

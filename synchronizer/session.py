@@ -10,6 +10,7 @@ merged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +26,8 @@ from services.config import SynchronizerSettings
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
 from services.tape import Tape
+from synchronizer import admission, auth
+from synchronizer.admission import Rejection, check_heartbeat, check_hello
 from synchronizer.ownership import Ownership
 from synchronizer.store import ControlStore
 from synchronizer.tensors import TensorStore
@@ -52,6 +55,22 @@ def specs_from_proto(params: list[fragment_pb2.TensorSpec]) -> list[LeafSpec]:
 
 def specs_to_proto(specs: list[LeafSpec]) -> list[fragment_pb2.TensorSpec]:
     return [fragment_pb2.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in specs]
+
+
+def parse_spec(params: list[fragment_pb2.TensorSpec], fragments: int) -> str:
+    """A hello's parameter spec, checked against the layout, as canonical JSON (raises
+    LayoutError). Run off the event loop: a spec may hold up to MAX_LEAVES leaves."""
+    specs = specs_from_proto(params)
+    fragment_layout(specs, fragments)
+    return spec_to_json(specs)
+
+
+def busy(slot: str) -> SessionClosed:
+    return SessionClosed(
+        grpc.StatusCode.ALREADY_EXISTS,
+        f"learner slot {slot!r} has a live session already; a new one may start once it ends "
+        "or its lease lapses (retrying)",
+    )
 
 
 class SessionClosed(Exception):
@@ -170,8 +189,14 @@ class Sessions:
         ],
     ) -> AsyncIterator[session_pb2.SynchronizerMessage]:
         try:
-            first = await anext(request_iterator)
+            first = await asyncio.wait_for(anext(request_iterator), self.settings.hello_timeout_s)
         except StopAsyncIteration:
+            return
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no hello within {self.settings.hello_timeout_s:.0f} s of opening the session",
+            )
             return
         try:
             conn, welcome = await self._hello(first)
@@ -179,9 +204,6 @@ class Sessions:
             await context.abort(closed.code, closed.details)
             return
         key = conn.prefix
-        previous = self.connections.pop(key, None)
-        if previous is not None:
-            previous.outbox.put_nowait(None)
         self.connections[key] = conn
         tm.LEARNERS_CONNECTED.set(len(self.connections))
         reader = asyncio.create_task(self._read(conn, request_iterator))
@@ -200,6 +222,9 @@ class Sessions:
             reader.cancel()
             if self.connections.get(key) is conn:
                 del self.connections[key]
+                # The slot's session ended here: a new one may start at once.
+                with contextlib.suppress(Exception):
+                    await self.store.leave(conn.learner, conn.incarnation)
             tm.LEARNERS_CONNECTED.set(len(self.connections))
             log.info("learner_left", learner=conn.learner, incarnation=conn.incarnation)
 
@@ -212,32 +237,28 @@ class Sessions:
             )
         hello = message.hello
         cfg = self.settings
-        if hello.job != cfg.job:
-            raise SessionClosed(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this synchronizer serves job {cfg.job!r}, not {hello.job!r}; check --job",
-            )
-        if cfg.token is not None and hello.token != cfg.token:
-            raise SessionClosed(
-                grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token; pass the job's --token"
-            )
-        if not hello.learner_id or not hello.incarnation:
-            raise SessionClosed(
-                grpc.StatusCode.INVALID_ARGUMENT, "hello needs a learner_id and an incarnation"
-            )
         try:
-            specs = specs_from_proto(list(hello.params))
-            fragment_layout(specs, cfg.fragments)
+            check_hello(hello, cfg.job)
+            auth.check_slot(hello.learner_id)
+        except Rejection as rejection:
+            raise SessionClosed(rejection.code, rejection.message) from None
+        except auth.AuthError as err:
+            raise SessionClosed(err.code, err.details) from None
+        if any(c.learner == hello.learner_id for c in self.connections.values()):
+            raise busy(hello.learner_id)
+        try:
+            spec_json = await asyncio.to_thread(parse_spec, list(hello.params), cfg.fragments)
         except LayoutError as err:
             raise SessionClosed(
                 grpc.StatusCode.INVALID_ARGUMENT, f"bad model spec: {err}"
             ) from None
-        spec_json = spec_to_json(specs)
         initialized = await self.store.is_initialized(cfg.fragments)
         joined = await self.store.hello(
             spec_json, hello.learner_id, hello.incarnation, cfg.lease_ttl_s, hello.step, initialized
         )
-        if not joined.ok:
+        if joined.status == "busy":
+            raise busy(hello.learner_id)
+        if joined.status != "ok":
             raise SessionClosed(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "this learner's model differs from the job's (leaf names or shapes); start it "
@@ -288,7 +309,8 @@ class Sessions:
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
                 if kind == "heartbeat":
-                    await self._heartbeat(conn, message.heartbeat)
+                    if not await self._heartbeat(conn, message.heartbeat):
+                        return
                 else:
                     conn.outbox.put_nowait(
                         SessionClosed(
@@ -306,14 +328,20 @@ class Sessions:
         finally:
             conn.outbox.put_nowait(None)
 
-    async def _heartbeat(self, conn: Connection, hb: session_pb2.Heartbeat) -> None:
+    async def _heartbeat(self, conn: Connection, hb: session_pb2.Heartbeat) -> bool:
+        """Renew the learner's lease; False once the session is to close."""
+        try:
+            check_heartbeat(hb)
+        except Rejection as rejection:
+            conn.outbox.put_nowait(SessionClosed(rejection.code, rejection.message))
+            return False
         steps_done = await self.store.heartbeat(
             conn.learner,
             conn.incarnation,
             self.settings.lease_ttl_s,
             step=float(hb.step),
-            ema=hb.step_time_ema_s if math.isfinite(hb.step_time_ema_s) else 0.0,
-            tokens_s=hb.tokens_per_s if math.isfinite(hb.tokens_per_s) else 0.0,
+            ema=hb.step_time_ema_s,
+            tokens_s=hb.tokens_per_s,
             loss=hb.loss if math.isfinite(hb.loss) else -1.0,
             eval_loss=hb.eval_loss if math.isfinite(hb.eval_loss) else -1.0,
             done=1.0 if hb.done else 0.0,
@@ -327,12 +355,14 @@ class Sessions:
                     "a newer incarnation of this learner id has joined; this one must stop",
                 )
             )
-        elif self.settings.job_steps:
+            return False
+        if self.settings.job_steps:
             budget = self.settings.job_steps
             status = session_pb2.JobStatus(
                 steps_done=steps_done, job_steps=budget, finish=steps_done >= budget
             )
             conn.send(session_pb2.SynchronizerMessage(status=status))
+        return True
 
     # --- the owner map ----------------------------------------------------------------------
     async def _owners(self, fragments: int) -> list[session_pb2.FragmentOwner]:
@@ -489,7 +519,8 @@ class Sessions:
         if request.job != self.settings.job:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"this synchronizer serves job {self.settings.job!r}, not {request.job!r}",
+                f"this synchronizer serves job {self.settings.job!r}, not "
+                f"{request.job[: admission.MAX_NAME_CHARS]!r}",
             )
         layout = self._layout()
         if layout is None or not await self.store.is_initialized(layout.num_fragments):
@@ -498,6 +529,14 @@ class Sessions:
                 "the job has no global parameters yet; a learner must join first",
             )
         assert layout is not None
+        if len(request.fragments) > layout.num_fragments or len(request.held) > (
+            layout.num_fragments
+        ):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a state fetch names at most the job's {layout.num_fragments} fragments, "
+                "each once",
+            )
         wanted = list(dict.fromkeys(request.fragments)) or list(range(layout.num_fragments))
         bad = [p for p in wanted if p >= layout.num_fragments]
         if bad:

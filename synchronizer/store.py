@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlparse, urlunparse
+from urllib.parse import parse_qs, parse_qsl, urlparse, urlunparse
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -33,18 +33,31 @@ class StoreError(RuntimeError):
     """The store refused or could not do what was asked; the message says why."""
 
 
+SECRET_QUERY_KEYS = ("password", "passwd", "pass", "token", "secret", "key", "sig", "signature")
+
+
 def redact(url: str) -> str:
-    """A Redis URL with its password replaced, fit for logs and errors."""
-    parts = urlparse(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunparse(parts._replace(netloc=netloc))
+    """A URL (Redis, tensor store) with its password and secret query values replaced, fit
+    for logs and errors."""
+    try:
+        parts = urlparse(url)
+        password = parts.password
+    except ValueError:
+        return "<unparsable URL>"
+    if password is not None:
+        parts = parts._replace(netloc=parts.netloc.replace(f":{password}@", ":***@"))
+    if parts.query:
+        query = [
+            (k, "***" if any(s in k.lower() for s in SECRET_QUERY_KEYS) else v)
+            for k, v in parse_qsl(parts.query, keep_blank_values=True)
+        ]
+        parts = parts._replace(query="&".join(f"{k}={v}" for k, v in query))
+    return urlunparse(parts)
 
 
 @dataclass(frozen=True)
 class Hello:
-    ok: bool  # False: the learner's model spec differs from the job's
+    status: str  # ok, spec_mismatch (the learner's model differs), busy (slot has a session)
     previous: str  # the incarnation this one replaces ("" if none)
     initializer: bool  # the job has no parameters yet and this learner is to send them
 
@@ -199,8 +212,8 @@ class ControlStore:
             ],
         )
         if _s(reply[0]) != "ok":
-            return Hello(False, "", False)
-        return Hello(True, _s(reply[1]), bool(int(reply[2])))
+            return Hello(_s(reply[0]), "", False)
+        return Hello("ok", _s(reply[1]), bool(int(reply[2])))
 
     async def heartbeat(
         self,

@@ -134,6 +134,7 @@ def test_learners_on_the_host_train_through_a_containerized_synchronizer_that_is
         for i in range(2):
             args = atoll_command(
                 "learner",
+                "--insecure",
                 *SMALL,
                 "--synchronizer",
                 f"127.0.0.1:{port}",

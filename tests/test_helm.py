@@ -392,6 +392,19 @@ def test_tls_mounts_cert_manager_certificates() -> None:
             assert mount["mountPath"] == "/etc/atoll/tls"
             (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
             assert volume["secret"]["secretName"] in certs
+            args = pod["containers"][0]["args"]
+            assert "--tls-ca=/etc/atoll/tls/ca.crt" in args
+            assert "--insecure" not in args
+    assert certs["atoll-learner-main-tls"]["uris"] == ["learner:atoll-learner-main-*"]
+    (sync,) = [
+        d for d in docs if d["kind"] == "Deployment" and "synchronizer" in d["metadata"]["name"]
+    ]
+    container = sync["spec"]["template"]["spec"]["containers"][0]
+    assert "--health-listen=0.0.0.0:50052" in container["args"]
+    assert container["readinessProbe"]["grpc"]["port"] == 50052  # the kubelet speaks no TLS
+    for d in render():
+        if d["kind"] in WORKLOADS and d["metadata"]["name"] != "atoll-redis":
+            assert "--insecure" in d["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_scrape_labels_match_what_the_alert_rules_select() -> None:

@@ -22,6 +22,7 @@ def test_a_restarted_learner_goes_on_from_its_checkpoint(
     def run(steps: int) -> dict[str, object]:
         settings = LearnerSettings(
             synchronizer=[sync.address],
+            insecure=True,
             id="learner-0",
             state_dir=tmp_path / "state",
             tape=tape,

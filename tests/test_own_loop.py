@@ -45,7 +45,9 @@ def test_the_docs_own_loop_joins_syncs_and_ends_on_the_global_model(
 
     def learner(name: str) -> None:
         try:
-            settings = LearnerSettings(synchronizer=[sync.address], id=name, heartbeat_s=0.2)
+            settings = LearnerSettings(
+                synchronizer=[sync.address], id=name, heartbeat_s=0.2, insecure=True
+            )
             results[name] = ns["train"](settings, steps)
         except BaseException as err:  # the main thread reports it
             errors.append(err)

@@ -163,3 +163,24 @@ def test_killing_atoll_up_leaves_no_process_behind(tmp_path: Path) -> None:
     gone, alive = psutil.wait_procs(children, timeout=20)
     assert not alive, f"left behind after SIGKILL of atoll up: {[p.cmdline() for p in alive]}"
     assert len(gone) == len(children)
+
+
+def test_a_tls_run_trains_on_mtls_with_invariants_ok(tmp_path: Path) -> None:
+    report = up(
+        tmp_path,
+        "--tls",
+        "--learners",
+        "2",
+        "--steps",
+        "24",
+        "--inner-steps",
+        "8",
+        "--fragments",
+        "2",
+    )
+    assert report["invariants"]["ok"], report["invariants"]
+    assert report["versions_committed"] > 0
+    assert (tmp_path / "w" / "tls" / "ca.crt").is_file()
+    log = (tmp_path / "w" / "synchronizer-0.log").read_text()
+    assert '"transport": "mtls"' in log
+    assert "learner_joined" in log

@@ -6,6 +6,12 @@
 -- ARGV: replica, epoch, expected_version, value_name, state_name, delta_name, log_entry,
 --       useful_seconds, tokens_merged, stale_folded, log_keep, n, (uid_i, seq_i) x n
 local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
+-- Every number is checked before anything is written: a script stopped by an error half-way
+-- would leave its earlier writes in place.
+for _, i in ipairs({8, 9, 10}) do
+  local x = tonumber(ARGV[i])
+  if x == nil or x ~= x or x == math.huge or x == -math.huge then return {'bad_args', v} end
+end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] .. ' ' .. ARGV[2] then return {'lost_lease', v} end
 if v ~= tonumber(ARGV[3]) then return {'version_moved', v} end
 local t = redis.call('TIME')

@@ -1,19 +1,23 @@
 -- A learner (re)joins: the first learner's parameter spec becomes the job's; later ones must
--- match it. The newest incarnation of a learner id owns its lease. While the job has no
--- parameters, one learner at a time holds the claim to send them (for claim_ms), so the
--- others wait for them instead of all uploading the whole model.
+-- match it. A slot has at most one live session: while its lease runs (its session is open
+-- somewhere, or ended without saying so less than a lease ago), a second hello is refused,
+-- whatever its incarnation. While the job has no parameters, one learner at a time holds the
+-- claim to send them (for claim_ms), so the others wait for them instead of all uploading the
+-- whole model.
 -- KEYS: spec, learners, learner, ema, init_claim
 -- ARGV: spec_json, id, incarnation, ttl_ms, step, claim_ms, initialized (1/0)
--- Returns: status, previous incarnation (or the job's spec on a mismatch), holds the claim
+-- Returns: status ('ok' | 'spec_mismatch' | 'busy'), previous incarnation, holds the claim
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local previous = redis.call('HGET', KEYS[3], 'incarnation') or ''
+local lease = redis.call('ZSCORE', KEYS[2], ARGV[2])
+if lease and tonumber(lease) > now then return {'busy', previous, 0} end
 local stored = redis.call('GET', KEYS[1])
 if not stored then
   redis.call('SET', KEYS[1], ARGV[1])
   stored = ARGV[1]
 end
 if stored ~= ARGV[1] then return {'spec_mismatch', stored, 0} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local previous = redis.call('HGET', KEYS[3], 'incarnation') or ''
 redis.call('HSET', KEYS[3], 'incarnation', ARGV[3], 'joined_ms', now, 'updated_ms', now,
   'step', ARGV[5])
 redis.call('HINCRBY', KEYS[3], 'joins', 1)

@@ -1,0 +1,863 @@
+"""A hostile client against a real synchronizer: every class of attack the issue lists.
+
+Each test asserts that the attack is refused or bounded, that the service still serves, that
+the legitimate learner's updates still merge, and that a refused request changed nothing of
+the global state (versions, values, pending updates, spec, live learners).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.processes import SynchronizerChild, synchronizer_child
+from cluster.redis_server import RedisServer
+from learner.client import SessionError, SynchronizerClient
+from services import codec as codecs
+from services import tls
+from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
+from synchronizer.admission import MAX_LEAVES
+from tests import support
+from tests.conftest import SpawnSynchronizer
+
+SERVICE = "/atoll.v1.Synchronizer/"
+TOKENS = {"l0": "token-of-l0", "l1": "token-of-l1", "evil": "token-of-evil"}
+P = 2
+N0 = support.layout(P).fragments[0].num_elements
+INT8: dict[str, Any] = {"codec": fragment_pb2.CODEC_INT8, "block_size": 256}
+FP32: dict[str, Any] = {"codec": fragment_pb2.CODEC_FP32, "block_size": 0}
+
+
+# --- helpers ------------------------------------------------------------------------------
+def bearer(slot: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {TOKENS[slot]}"),)
+
+
+def tokens_file(folder: Path) -> Path:
+    path = folder / "tokens"
+    path.write_text(
+        "".join(f"{slot} {hashlib.sha256(t.encode()).hexdigest()}\n" for slot, t in TOKENS.items())
+    )
+    return path
+
+
+def hello(slot: str, **kw: Any) -> session_pb2.LearnerMessage:
+    fields: dict[str, Any] = {
+        "job": "default",
+        "learner_id": slot,
+        "incarnation": uuid.uuid4().hex,
+        "params": [
+            fragment_pb2.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype)
+            for s in support.SPECS
+        ],
+    }
+    fields.update(kw)
+    return session_pb2.LearnerMessage(hello=session_pb2.Hello(**fields))
+
+
+def session_call(address: str, credentials: grpc.ChannelCredentials | None = None) -> Any:
+    channel = (
+        grpc.secure_channel(address, credentials)
+        if credentials is not None
+        else grpc.insecure_channel(address)
+    )
+    return channel.stream_stream(
+        SERVICE + "Session",
+        request_serializer=session_pb2.LearnerMessage.SerializeToString,
+        response_deserializer=session_pb2.SynchronizerMessage.FromString,
+    )
+
+
+def session_refusal(
+    address: str,
+    messages: Sequence[session_pb2.LearnerMessage],
+    metadata: Sequence[tuple[str, str]] = (),
+    credentials: grpc.ChannelCredentials | None = None,
+    timeout: float = 20.0,
+) -> grpc.StatusCode:
+    """Open a session, send `messages`, read until the server ends it; its status code."""
+
+    ended = threading.Event()
+
+    def requests() -> Iterator[session_pb2.LearnerMessage]:
+        yield from messages
+        ended.wait(timeout)  # keep the stream open: the server must end it
+
+    call = session_call(address, credentials)(requests(), metadata=metadata, timeout=timeout)
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as err:
+        return err.code()
+    finally:
+        ended.set()
+    return grpc.StatusCode.OK
+
+
+def ingest(
+    address: str, chunks: Sequence[session_pb2.UpdateChunk], metadata: Sequence[tuple[str, str]]
+) -> session_pb2.Ack:
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_unary(
+            SERVICE + "Ingest",
+            request_serializer=session_pb2.UpdateChunk.SerializeToString,
+            response_deserializer=session_pb2.Ack.FromString,
+        )
+        ack: session_pb2.Ack = call(iter(chunks), metadata=tuple(metadata), timeout=30)
+        return ack
+
+
+def fetch(
+    address: str, request: synchronizer_pb2.FetchStateRequest, metadata: Sequence[tuple[str, str]]
+) -> list[fragment_pb2.GlobalFragmentChunk]:
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_stream(
+            SERVICE + "FetchState",
+            request_serializer=synchronizer_pb2.FetchStateRequest.SerializeToString,
+            response_deserializer=fragment_pb2.GlobalFragmentChunk.FromString,
+        )
+        return list(call(request, metadata=tuple(metadata), timeout=30))
+
+
+def snapshot(r: redis.Redis) -> tuple[object, ...]:
+    """The global state a refused request must leave as it was."""
+    k = support.KEYS
+    return (
+        tuple(support.version(r, p) for p in range(P)),
+        tuple(support.value_name(r, p) for p in range(P)),
+        tuple(support.pending(r, P)),
+        r.get(k.spec),
+        tuple(sorted(r.zrange(k.learners, 0, -1))),
+        tuple(sorted(r.hgetall(k.ema).items())),
+    )
+
+
+def wait_until(predicate: Any, timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def still_merges(c: SynchronizerClient, r: redis.Redis, fragment: int = 0) -> None:
+    """The legitimate learner's next update is received and merged."""
+    v = support.version(r, fragment)
+    seq = support.send_delta(c, fragment, P, v, seed=100 + v)
+    assert c.wait_ack(seq, 15, received=True).status == session_pb2.ACK_STATUS_RECEIVED
+    wait_until(lambda: support.version(r, fragment) == v + 1, what="the legitimate merge")
+
+
+def owner_address(c: SynchronizerClient, fragment: int) -> str:
+    wait_until(lambda: fragment in c.owners, what="the owner map")
+    return c.owners[fragment].address
+
+
+@pytest.fixture
+def job(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> Iterator[tuple[SynchronizerChild, SynchronizerClient, redis.Redis]]:
+    """A synchronizer with per-slot tokens, l0 joined and the job initialized."""
+    sync = spawn_synchronizer(
+        "--fragments",
+        str(P),
+        "--grace-seconds",
+        "0",
+        "--learner-tokens-file",
+        str(tokens_file(tmp_path)),
+        "--hello-timeout-s",
+        "1",
+    )
+    c = support.client([sync.address], "l0", token=TOKENS["l0"])
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c, P)
+        yield sync, c, r
+    finally:
+        c.close()
+
+
+# --- transport ----------------------------------------------------------------------------
+def test_mtls_a_learner_with_its_certificate_trains_one_without_is_refused(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    files = tls.generate(tmp_path / "tls", ["l0", "l1"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        health_port = s.getsockname()[1]
+    sync = synchronizer_child(
+        tmp_path,
+        redis_server.url,
+        "sync-tls",
+        [
+            "--fragments",
+            str(P),
+            "--grace-seconds",
+            "0",
+            "--health-listen",
+            f"127.0.0.1:{health_port}",
+        ],
+        security=[
+            "--tls-cert",
+            str(files.server_cert),
+            "--tls-key",
+            str(files.server_key),
+            "--tls-ca",
+            str(files.ca),
+        ],
+    ).start_and_wait()
+    r = redis.Redis(port=redis_server.port)
+    cert, key = files.client("l0")
+    c = support.client(
+        [sync.address], "l0", credentials=tls.channel_credentials(files.ca, cert, key)
+    )
+    try:
+        support.initialize(c, P)
+        still_merges(c, r)
+        before = snapshot(r)
+        # No client certificate: the handshake fails, no call reaches a handler.
+        only_ca = tls.channel_credentials(files.ca, None, None)
+        assert session_refusal(sync.address, [hello("l1")], credentials=only_ca, timeout=5) in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.UNAUTHENTICATED,
+        )
+        # Plaintext against the TLS port.
+        assert session_refusal(sync.address, [hello("l1")], timeout=5) == (
+            grpc.StatusCode.UNAVAILABLE
+        )
+        # l1's certificate does not speak for l0.
+        cert1, key1 = files.client("l1")
+        as_l1 = tls.channel_credentials(files.ca, cert1, key1)
+        assert session_refusal(sync.address, [hello("l0")], credentials=as_l1) == (
+            grpc.StatusCode.PERMISSION_DENIED
+        )
+        assert snapshot(r) == before
+        still_merges(c, r)
+        # Probes that speak no TLS reach the health service, and only it, in plaintext.
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            assert check(health_pb2.HealthCheckRequest(), timeout=5).status == (
+                health_pb2.HealthCheckResponse.SERVING
+            )
+            fetch_state = channel.unary_stream(
+                SERVICE + "FetchState",
+                request_serializer=bytes,
+                response_deserializer=bytes,
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                list(fetch_state(b"", timeout=5))
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        c.close()
+        sync.stop()
+
+
+def test_a_synchronizer_without_certificates_or_insecure_refuses_to_start(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    child = synchronizer_child(tmp_path, redis_server.url, "plain", security=[])
+    with pytest.raises(RuntimeError, match=r"--tls-cert and --tls-key.*--insecure"):
+        child.start_and_wait(timeout_s=60)
+
+
+# --- identity -----------------------------------------------------------------------------
+def test_identity_takeover_is_refused_and_the_first_session_keeps_running(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    sync, c, r = job
+    before = snapshot(r)
+    # Another slot's token, l0's id: not its slot.
+    assert session_refusal(sync.address, [hello("l0")], bearer("evil")) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    # l0's own token, a new incarnation, while l0's session is live: refused, not swapped in.
+    assert session_refusal(sync.address, [hello("l0")], bearer("l0")) == (
+        grpc.StatusCode.ALREADY_EXISTS
+    )
+    # The same incarnation again: refused too.
+    again = hello("l0", incarnation=c.incarnation)
+    assert session_refusal(sync.address, [again], bearer("l0")) == grpc.StatusCode.ALREADY_EXISTS
+    assert snapshot(r) == before
+    c.check()
+    still_merges(c, r)
+
+
+def test_update_bytes_replayed_under_another_id_are_refused(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    _, c, r = job
+    address = owner_address(c, 0)
+    delta = np.random.default_rng(1).normal(scale=0.01, size=N0).astype(np.float32)
+    segments, _ = codecs.encode_segments(codecs.by_name("int8"), delta, 256, 2048)
+    captured = support.chunks_for(
+        0, segments, num_elements=N0, seq=900, learner="l0", incarnation=c.incarnation, **INT8
+    )
+    before = snapshot(r)
+    for metadata in (bearer("evil"), ()):  # another slot's token; none at all
+        with pytest.raises(grpc.RpcError) as refused:
+            ingest(address, captured, metadata)
+        assert refused.value.code() in (
+            grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.UNAUTHENTICATED,
+        )
+    # A chunk switching its id half-way is refused as well.
+    mixed = support.chunks_for(
+        0, segments, num_elements=N0, seq=901, learner="evil", incarnation="x", **INT8
+    )
+    mixed[-1].learner_id = "l0"
+    assert ingest(address, mixed, bearer("evil")).status == session_pb2.ACK_STATUS_REJECTED
+    assert snapshot(r) == before
+    still_merges(c, r)
+
+
+def test_anonymous_hellos_are_refused_and_never_count_as_live_learners(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    sync, c, r = job
+    before = snapshot(r)
+    for i in range(50):
+        assert session_refusal(sync.address, [hello(f"anon-{i}")], timeout=5) == (
+            grpc.StatusCode.UNAUTHENTICATED
+        )
+    wrong = (("authorization", "Bearer guessed"),)
+    assert session_refusal(sync.address, [hello("l1")], wrong) == grpc.StatusCode.UNAUTHENTICATED
+    assert snapshot(r) == before
+    assert r.zcard(support.KEYS.learners) == 1
+    still_merges(c, r)
+
+
+def test_an_anonymous_first_hello_cannot_fix_the_jobs_spec(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer(
+        "--fragments", str(P), "--learner-tokens-file", str(tokens_file(tmp_path))
+    )
+    r = redis.Redis(port=redis_server.port)
+    other_model = hello("l1", params=[fragment_pb2.TensorSpec(name="x", shape=[3])])
+    assert session_refusal(sync.address, [other_model], timeout=5) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    assert r.get(support.KEYS.spec) is None
+    c = support.client([sync.address], "l0", token=TOKENS["l0"])
+    try:
+        support.initialize(c, P)
+        still_merges(c, r)
+    finally:
+        c.close()
+
+
+# --- weights and values -------------------------------------------------------------------
+def test_a_huge_token_count_does_not_buy_the_merge(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer(
+        "--fragments",
+        str(P),
+        "--quorum",
+        "2",
+        "--grace-seconds",
+        "0",
+        "--learner-tokens-file",
+        str(tokens_file(tmp_path)),
+    )
+    c0 = support.client([sync.address], "l0", token=TOKENS["l0"])
+    evil = support.client([sync.address], "evil", token=TOKENS["evil"])
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c0, P)
+        before = snapshot(r)
+        over = support.send_delta(evil, 0, P, 0, seed=2, c_tokens=10**15 + 1)
+        assert evil.wait_ack(over, 15).status == session_pb2.ACK_STATUS_REJECTED
+        assert snapshot(r) == before
+        evil.wait_ack(support.send_delta(evil, 0, P, 0, seed=2, c_tokens=10**15), 15, True)
+        c0.wait_ack(support.send_delta(c0, 0, P, 0, seed=1), 15, received=True)
+        wait_until(lambda: support.version(r, 0) == 1, what="the round of both")
+        entry = support.commit_log(r, 0)[0]
+        weights = dict(zip(entry["learners"], entry["weights"], strict=True))  # type: ignore[call-overload]
+        assert weights["evil"] <= 2.0 * weights["l0"] * (1 + 1e-9)
+        assert np.isfinite(fetch_values(c0, 0)).all()
+    finally:
+        c0.close()
+        evil.close()
+
+
+def fetch_values(c: SynchronizerClient, fragment: int) -> np.ndarray:
+    return c.fetch_state([fragment])[0].values
+
+
+def refused(
+    c: SynchronizerClient,
+    r: redis.Redis,
+    chunks: list[session_pb2.UpdateChunk],
+    reason: str,
+    metadata: Sequence[tuple[str, str]] | None = None,
+) -> None:
+    """The update is refused with `reason` in its message, and nothing changed."""
+    before = snapshot(r)
+    ack = ingest(owner_address(c, 0), chunks, bearer("l0") if metadata is None else metadata)
+    assert ack.status == session_pb2.ACK_STATUS_REJECTED, ack
+    assert reason in ack.reason, ack.reason
+    assert snapshot(r) == before
+    still_merges(c, r)
+
+
+def test_fp32_values_of_1e30_are_refused_by_the_norm_bound(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    _, c, r = job
+    for scale, reason in ((1e30, "NaN or Inf"), (1e3, "L2 norm")):
+        payload = np.full(N0, scale, np.float32).tobytes()
+        chunks = support.chunks_for(0, payload, num_elements=N0, seq=910, learner="l0", **FP32)
+        refused(c, r, chunks, reason)
+
+
+def test_an_int8_block_scale_of_3e38_decodes_to_inf_and_is_refused(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    _, c, r = job
+    blocks = -(-N0 // 256)
+    payload = np.full(blocks, 3e38, "<f4").tobytes() + np.full(N0, 127, np.int8).tobytes()
+    chunks = support.chunks_for(0, payload, num_elements=N0, seq=920, learner="l0", **INT8)
+    refused(c, r, chunks, "NaN or Inf")
+    still_merges(c, r)  # the fragment merges again and again
+
+
+def test_a_retried_seq_with_another_payload_is_refused(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    _, c0, r = job
+    v = support.version(r, 0)
+    first = support.chunks_for(
+        0,
+        codecs.by_name("int8").encode(np.full(N0, 0.01, np.float32), 256),
+        num_elements=N0,
+        seq=930,
+        base_version=v,
+        learner="l0",
+        incarnation=c0.incarnation,
+        **INT8,
+    )
+    ack = ingest(owner_address(c0, 0), first, bearer("l0"))
+    assert ack.status == session_pb2.ACK_STATUS_RECEIVED
+    wait_until(lambda: support.version(r, 0) == v + 1, what="the first payload's merge")
+    other = support.chunks_for(
+        0,
+        codecs.by_name("int8").encode(np.full(N0, -0.01, np.float32), 256),
+        num_elements=N0,
+        seq=930,
+        base_version=v + 1,
+        learner="l0",
+        incarnation=c0.incarnation,
+        **INT8,
+    )
+    refused(c0, r, other, "other bytes")
+
+
+def test_compute_seconds_nan_is_refused_before_anything_changes(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    _, c, r = job
+    for field, value, reason in (
+        ("compute_seconds", float("nan"), "compute_seconds"),
+        ("compute_seconds", 1e7, "compute_seconds"),
+        ("c_steps", 0, "c_steps"),
+        ("c_steps", 10**9 + 1, "c_steps"),
+    ):
+        chunks = support.chunks_for(
+            0, np.zeros(N0, np.float32).tobytes(), num_elements=N0, seq=940, learner="l0", **FP32
+        )
+        for chunk in chunks:
+            setattr(chunk, field, value)
+        refused(c, r, chunks, reason)
+
+
+# --- heartbeats ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("step", 2**64 - 1), ("step_time_ema_s", 1e9), ("step_time_ema_s", float("inf"))],
+)
+def test_a_heartbeat_out_of_range_closes_only_its_own_session(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis], field: str, value: float
+) -> None:
+    sync, c, r = job
+    before = snapshot(r)
+    heartbeat = session_pb2.Heartbeat()
+    setattr(heartbeat, field, value)
+    beat = session_pb2.LearnerMessage(heartbeat=heartbeat)
+    code = session_refusal(sync.address, [hello("l1"), beat], bearer("l1"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    wait_until(lambda: snapshot(r) == before, what="l1's lease dropped with its session")
+    assert r.hget(support.KEYS.ema, "l1") is None
+    c.heartbeat(step=3, step_time_ema_s=0.1, tokens_per_s=10.0, loss=1.0, eval_loss=float("nan"))
+    still_merges(c, r)
+    c.check()
+
+
+# --- bounded work -------------------------------------------------------------------------
+def test_a_payload_larger_than_the_fragment_is_refused_before_buffering(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    _, c, r = job
+    payload = np.zeros(N0, np.float32).tobytes()
+    chunks = support.chunks_for(0, payload, num_elements=N0, seq=950, learner="l0", **FP32)
+    for chunk in chunks:
+        chunk.header.total_bytes = 324_000_000
+    refused(c, r, chunks, "announces 324000000 bytes")
+    # Chunks carrying more bytes than their header announced.
+    chunks = support.chunks_for(0, payload, num_elements=N0, seq=951, learner="l0", **FP32)
+    for chunk in chunks:
+        chunk.header.total_bytes = len(payload) - 4
+    refused(c, r, chunks, "more than the")
+
+
+def test_a_hello_of_400k_leaves_is_refused_at_once(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    sync, c, r = job
+    before = snapshot(r)
+    leaves = [fragment_pb2.TensorSpec(name=f"{i:07d}", shape=[1]) for i in range(400_000)]
+    message = hello("l1", params=leaves)
+    assert message.ByteSize() > 5_000_000
+    assert len(leaves) > MAX_LEAVES
+    started = time.monotonic()
+    assert session_refusal(sync.address, [message], bearer("l1")) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert time.monotonic() - started < 5
+    assert snapshot(r) == before
+    still_merges(c, r)
+
+
+def test_a_state_fetch_asking_every_fragment_many_times_is_refused(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    sync, c, r = job
+    request = synchronizer_pb2.FetchStateRequest(job="default", fragments=[0, 1] * 2500)
+    assert request.ByteSize() >= 5000
+    with pytest.raises(grpc.RpcError) as err:
+        fetch(sync.address, request, bearer("l1"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as anonymous:
+        fetch(sync.address, synchronizer_pb2.FetchStateRequest(job="default"), ())
+    assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert len(fetch(sync.address, synchronizer_pb2.FetchStateRequest(job="default"), bearer("l1")))
+    still_merges(c, r)
+
+
+def test_a_slot_has_a_bounded_number_of_ingest_calls_in_flight(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    _, c, r = job
+    before = snapshot(r)
+    half = N0 // 2
+    zeros = np.zeros(N0, np.float32).tobytes()
+    segments = [
+        codecs.Segment(0, half, zeros[: 4 * half]),
+        codecs.Segment(half, N0 - half, zeros[4 * half :]),
+    ]
+    chunks = support.chunks_for(0, segments, num_elements=N0, seq=960, learner="l1", **FP32)
+    release = threading.Event()
+
+    def stalled() -> Iterator[session_pb2.UpdateChunk]:
+        yield chunks[0]
+        release.wait(30)
+
+    with grpc.insecure_channel(owner_address(c, 0)) as channel:
+        call = channel.stream_unary(
+            SERVICE + "Ingest",
+            request_serializer=session_pb2.UpdateChunk.SerializeToString,
+            response_deserializer=session_pb2.Ack.FromString,
+        )
+        held = [call.future(stalled(), metadata=bearer("l1"), timeout=30) for _ in range(8)]
+        time.sleep(1.0)
+        with pytest.raises(grpc.RpcError) as err:
+            call(stalled(), metadata=bearer("l1"), timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        release.set()
+        for future in held:  # each ends incomplete: refused, nothing kept
+            assert future.result().status == session_pb2.ACK_STATUS_REJECTED
+    assert snapshot(r) == before
+    still_merges(c, r)
+
+
+def test_learners_sharing_the_jobs_token_do_not_share_one_ingest_limit(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer("--fragments", str(P), "--token", "shared-secret")
+    c = support.client([sync.address], "l0", token="shared-secret")
+    try:
+        support.initialize(c, P)
+        address = owner_address(c, 0)
+        zeros = np.zeros(N0, np.float32).tobytes()
+        segments = [codecs.Segment(0, 1, zeros[:4]), codecs.Segment(1, N0 - 1, zeros[4:])]
+        release = threading.Event()
+        shared = (("authorization", "Bearer shared-secret"),)
+        channels, held = [], []
+        for i in range(10):  # ten learners, each on its own connection
+            chunks = support.chunks_for(
+                0, segments, num_elements=N0, seq=970 + i, learner=f"x{i}", **FP32
+            )
+
+            def stalled(
+                first: session_pb2.UpdateChunk = chunks[0],
+            ) -> Iterator[session_pb2.UpdateChunk]:
+                yield first
+                release.wait(30)
+
+            channel = grpc.insecure_channel(address, options=[("atoll.test.connection", i)])
+            channels.append(channel)
+            call = channel.stream_unary(
+                SERVICE + "Ingest",
+                request_serializer=session_pb2.UpdateChunk.SerializeToString,
+                response_deserializer=session_pb2.Ack.FromString,
+            )
+            held.append(call.future(stalled(), metadata=shared, timeout=30))
+        time.sleep(1.0)
+        release.set()
+        for future in held:
+            assert future.result().status == session_pb2.ACK_STATUS_REJECTED  # cut short
+        for channel in channels:
+            channel.close()
+    finally:
+        c.close()
+
+
+def test_a_session_without_hello_is_closed_at_its_deadline(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    sync, c, r = job
+    before = snapshot(r)
+    started = time.monotonic()
+    assert session_refusal(sync.address, [], bearer("l1")) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 10  # --hello-timeout-s 1
+    assert snapshot(r) == before
+    still_merges(c, r)
+
+
+def test_a_refused_learner_sees_why(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    """The real client, presenting another slot's token: a fatal, readable refusal."""
+    sync, _, _ = job
+    with pytest.raises(SessionError, match="does not speak for learner slot 'l1'"):
+        support.client([sync.address], "l1", token=TOKENS["evil"])
+
+
+# --- property-based fuzzing of every request message -------------------------------------
+U64 = st.one_of(
+    st.sampled_from([0, 1, 2**31, 2**32 - 1, 2**53, 2**53 + 1, 2**63, 2**64 - 1]),
+    st.integers(0, 2**64 - 1),
+)
+U32 = st.one_of(st.sampled_from([0, 1, 255, 256, N0, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1))
+DOUBLES = st.floats(allow_nan=True, allow_infinity=True)
+FLOAT32S = st.floats(allow_nan=True, allow_infinity=True, width=32)
+NAMES = st.one_of(st.sampled_from(["l0", "l1", "evil", "", "default"]), st.text(max_size=40))
+FUZZ_MESSAGES = 10_000
+
+
+@st.composite
+def headers(draw: st.DrawFn) -> fragment_pb2.PayloadHeader:
+    return fragment_pb2.PayloadHeader(
+        fragment=draw(st.one_of(st.integers(0, 3), U32)),
+        codec=draw(st.integers(0, 12)),  # type: ignore[arg-type]
+        block_size=draw(st.one_of(st.sampled_from([0, 1, 256]), U32)),
+        num_elements=draw(st.one_of(st.just(N0), U64)),
+        checksum=draw(U64),
+        chunk_count=draw(st.one_of(st.integers(0, 4), U32)),
+        total_bytes=draw(st.one_of(st.sampled_from([0, 4 * N0]), U64)),
+    )
+
+
+@st.composite
+def update_chunks(draw: st.DrawFn) -> list[session_pb2.UpdateChunk]:
+    """A real update with fields overwritten, or chunks made of noise."""
+    if draw(st.booleans()):
+        values = draw(st.sampled_from([0.01, -0.01, 1e30, 0.0]))
+        segments, _ = codecs.encode_segments(
+            codecs.by_name("int8"), np.full(N0, values, np.float32), 256, 512
+        )
+        chunks = support.chunks_for(
+            0, segments, num_elements=N0, seq=draw(U64), learner="l1", **INT8
+        )
+        for _ in range(draw(st.integers(1, 3))):
+            chunk = chunks[draw(st.integers(0, len(chunks) - 1))]
+            field, value = draw(
+                st.one_of(
+                    st.tuples(st.sampled_from(["seq", "base_version", "c_steps", "c_tokens"]), U64),
+                    st.tuples(st.just("compute_seconds"), DOUBLES),
+                    st.tuples(st.sampled_from(["chunk_index", "value_count"]), U32),
+                    st.tuples(st.just("value_offset"), U64),
+                    st.tuples(st.just("data"), st.binary(max_size=2048)),
+                    st.tuples(st.sampled_from(["learner_id", "incarnation"]), NAMES),
+                    st.tuples(st.just("kind"), st.integers(0, 5)),
+                    st.tuples(st.just("header"), headers()),
+                    st.tuples(st.just("tensor_norms"), st.lists(FLOAT32S, max_size=8)),
+                )
+            )
+            if field == "header":
+                chunk.header.CopyFrom(value)
+            elif field == "tensor_norms":
+                del chunk.tensor_norms[:]
+                chunk.tensor_norms.extend(value)
+            else:
+                setattr(chunk, field, value)
+        return chunks
+    return [
+        session_pb2.UpdateChunk(
+            header=draw(headers()),
+            kind=draw(st.integers(0, 5)),  # type: ignore[arg-type]
+            seq=draw(U64),
+            base_version=draw(U64),
+            c_steps=draw(U64),
+            c_tokens=draw(U64),
+            compute_seconds=draw(DOUBLES),
+            chunk_index=draw(U32),
+            data=draw(st.binary(max_size=4096)),
+            value_offset=draw(U64),
+            value_count=draw(U32),
+            tensor_norms=draw(st.lists(FLOAT32S, max_size=8)),
+            learner_id=draw(NAMES),
+            incarnation=draw(NAMES),
+        )
+        for _ in range(draw(st.integers(1, 3)))
+    ]
+
+
+@st.composite
+def session_messages(draw: st.DrawFn) -> list[session_pb2.LearnerMessage]:
+    """A hello (real, with fields overwritten, or noise), then heartbeats or more hellos."""
+    specs = draw(
+        st.one_of(
+            st.just(None),
+            st.lists(
+                st.builds(
+                    fragment_pb2.TensorSpec,
+                    name=st.text(max_size=20),
+                    shape=st.lists(
+                        st.integers(-(2**63), 2**63 - 1) | st.integers(0, 64), max_size=4
+                    ),
+                    dtype=st.sampled_from(["float32", "bfloat16", "", "int8"]),
+                ),
+                max_size=6,
+            ),
+        )
+    )
+    first = hello(
+        draw(NAMES),
+        job=draw(st.sampled_from(["default", "other", ""])),
+        incarnation=draw(NAMES),
+        step=draw(U64),
+    )
+    if specs is not None:
+        del first.hello.params[:]
+        first.hello.params.extend(specs)
+    beats = draw(
+        st.lists(
+            st.builds(
+                session_pb2.Heartbeat,
+                step=U64,
+                step_time_ema_s=DOUBLES,
+                tokens_per_s=DOUBLES,
+                loss=DOUBLES,
+                eval_loss=DOUBLES,
+                done=st.booleans(),
+                last_sent=st.booleans(),
+                finishing=st.booleans(),
+                still_to_send=st.lists(U32, max_size=4),
+            ).map(lambda hb: session_pb2.LearnerMessage(heartbeat=hb)),
+            max_size=3,
+        )
+    )
+    return [first, *beats] if draw(st.booleans()) else beats
+
+
+FETCHES = st.builds(
+    synchronizer_pb2.FetchStateRequest,
+    job=st.sampled_from(["default", "other", ""]),
+    fragments=st.lists(st.one_of(st.integers(0, 3), U32), max_size=8),
+    held=st.dictionaries(st.one_of(st.integers(0, 3), U32), U64, max_size=4),
+)
+CREDENTIALS = st.sampled_from([bearer("l1"), bearer("evil"), (), (("authorization", "Bearer x"),)])
+BROKEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS}
+
+
+@pytest.mark.slow
+def test_fuzzed_request_messages_never_break_the_service(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    """Thousands of fuzzed Session, Ingest and FetchState messages: each is answered with a
+    status a learner can act on (never an unhandled error), and afterwards the service
+    serves, the legitimate learner merges and every global value is finite."""
+    sync, c, r = job
+    owner = owner_address(c, 0)
+    channel = grpc.insecure_channel(owner)
+    ingest_call = channel.stream_unary(
+        SERVICE + "Ingest",
+        request_serializer=session_pb2.UpdateChunk.SerializeToString,
+        response_deserializer=session_pb2.Ack.FromString,
+    )
+    fetch_call = channel.unary_stream(
+        SERVICE + "FetchState",
+        request_serializer=synchronizer_pb2.FetchStateRequest.SerializeToString,
+        response_deserializer=fragment_pb2.GlobalFragmentChunk.FromString,
+    )
+    session = session_call(sync.address)
+    sent = [0]
+
+    def answered(action: Any) -> None:
+        code, details = grpc.StatusCode.OK, ""
+        try:
+            action()
+        except grpc.RpcError as err:
+            code, details = err.code(), err.details() or ""
+        assert code not in BROKEN, (code, details)
+
+    @settings(
+        max_examples=FUZZ_MESSAGES // 2,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        st.one_of(
+            update_chunks().map(lambda m: ("ingest", m)),
+            session_messages().map(lambda m: ("session", m)),
+            FETCHES.map(lambda m: ("fetch", [m])),
+        ),
+        CREDENTIALS,
+    )
+    def one(request: tuple[str, list[Any]], metadata: tuple[tuple[str, str], ...]) -> None:
+        kind, messages = request
+        sent[0] += len(messages)
+        if kind == "ingest":
+            answered(lambda: ingest_call(iter(messages), metadata=metadata, timeout=30))
+        elif kind == "fetch":
+            answered(lambda: list(fetch_call(messages[0], metadata=metadata, timeout=30)))
+        else:
+            answered(lambda: list(session(iter(messages), metadata=metadata, timeout=30)))
+
+    try:
+        one()
+    finally:
+        channel.close()
+    assert sent[0] >= FUZZ_MESSAGES
+    c.check()
+    still_merges(c, r)
+    for g in c.fetch_state():
+        assert np.isfinite(g.values).all()
