@@ -163,6 +163,7 @@ def run_anchor(settings: MfuAnchor) -> None:
 def _learner_args(layers: int, width: int, heads: int, context: int, batch: int) -> list[str]:
     return [
         "learner",
+        "--insecure",
         "--layers",
         str(layers),
         "--width",
