@@ -102,7 +102,7 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
     spec = model_spec(int(settings.params), settings.fragments)
     layout = fragment_layout(spec, settings.fragments)
     n = layout.fragments[0].num_elements
-    update = workdir / "update.bin"
+    update = workdir / f"update-{settings.codec}.bin"
     if not update.exists():
         codec = codecs.by_name(settings.codec)
         values = np.random.default_rng(1).normal(scale=1e-3, size=n).astype(np.float32)
@@ -155,6 +155,8 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
                             str(settings.seconds),
                             "--result",
                             str(result),
+                            "--codec",
+                            settings.codec,
                         ),
                         run_dir / f"learner-{i}.log",
                         child_env(1),
@@ -317,7 +319,7 @@ class _Session:
 def run_learner(settings: ScaleLearner) -> None:
     spec = model_spec(settings.params, settings.fragments)
     segments = codecs.unpack_segments(settings.update.read_bytes())
-    codec = codecs.by_name("int4")
+    codec = codecs.by_name(settings.codec)
     header = fragment_pb2.PayloadHeader(
         codec=codec.wire,  # type: ignore[arg-type]
         block_size=256,

@@ -56,6 +56,7 @@ class ScaleLearner(BaseModel):
     update: Path = Field(description="the pre-encoded update (packed segments)")
     seconds: float = Field(description="how long to stream")
     result: Path = Field(description="where to write the result JSON")
+    codec: str = Field("int4", description="codec the update was encoded with")
 
     def cli_cmd(self) -> None:
         from bench.scale import run_learner
