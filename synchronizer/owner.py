@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import statistics
 import time
 from collections import deque
@@ -50,6 +51,8 @@ KEEP_VALUES = 2
 KEEP_DELTAS = 10
 EVALUATE_EVERY_S = 0.1
 T_SYNC_DECAY = 0.8
+# Outer steps of every owned fragment share one pool, a thread per core.
+_STEP_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="atoll-step")
 NORM_HISTORY = 16  # accepted updates' norms an update's norm is bounded against
 NORM_HISTORY_MIN = 3  # fewer: bounded against the fragment's own norm instead
 MAX_WEIGHTED_VALUE = 1e37  # weight x value beyond this would overflow the float32 sum
@@ -423,21 +426,23 @@ class FragmentOwner:
         return members, sealed
 
     def _step(self, sealed: Accumulator, scale: float) -> list[codecs.Segment]:
-        """The outer step and the downlink delta, in place, one segment at a time."""
+        """The outer step and the downlink delta, in place, segment by segment; segments
+        are independent, so they run on every core (numpy releases the GIL)."""
         sealed.prepare()
         step = codecs.segment_values(
             self.downlink, self.config.block_size, self.config.max_chunk_bytes
         )
-        delta: list[codecs.Segment] = []
-        for start in range(0, self.size, step):
+
+        def one(start: int) -> codecs.Segment:
             s = slice(start, min(self.size, start + step))
             move = self.optimizer.move(self.state, sealed.outer_gradient(s.start, s.stop, scale), s)
             np.add(move, self.residual[s], out=move)  # what earlier deltas lost
             data = step_segment(
                 self.theta[s], move, self.residual[s], self.downlink, self.config.block_size
             )
-            delta.append(codecs.Segment(s.start, s.stop - s.start, data))
-        return delta
+            return codecs.Segment(s.start, s.stop - s.start, data)
+
+        return list(_STEP_POOL.map(one, range(0, self.size, step)))
 
     async def _commit(
         self, updates: list[Update], sealed: Accumulator, live_learners: int, ready: float
@@ -454,10 +459,14 @@ class FragmentOwner:
         state_names = tuple(
             object_name(job, p, version, e, f"state{i}") for i in range(len(self.state) + 1)
         )
-        await self.tensors.put(value_name, self.theta)
-        for name, array in zip(state_names, [*self.state, self.residual], strict=True):
-            await self.tensors.put(name, array)
-        await self.tensors.put(delta_name, codecs.pack_segments(delta))
+        await asyncio.gather(
+            self.tensors.put(value_name, self.theta),
+            *(
+                self.tensors.put(name, array)
+                for name, array in zip(state_names, [*self.state, self.residual], strict=True)
+            ),
+            self.tensors.put(delta_name, codecs.pack_segments(delta)),
+        )
         useful = sum(u.compute_seconds for u in updates) / max(1, self.fragments)
         staleness = [self.version - u.base_version for u in updates]
         entry = {
