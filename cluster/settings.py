@@ -50,6 +50,16 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         description="per-learner batch size (sequences per step), e.g. 16,16,16,4; default "
         "all --batch-size",
     )
+    metrics: bool = Field(
+        False,
+        description="every learner and replica serves /metrics on a loopback port, listed "
+        "in a Prometheus file_sd JSON file (--metrics-targets)",
+    )
+    metrics_targets: Path | None = Field(
+        None,
+        description="where --metrics writes the file_sd JSON; default "
+        "WORKDIR/prometheus-targets.json",
+    )
     live: bool = Field(True, description="show the live view when stdout is a terminal")
     log_every: int = Field(10, ge=1, description="steps between loss points in summaries/plots")
     timeout_s: float = Field(3600.0, gt=0.0, description="stop everything after this long")

@@ -24,14 +24,16 @@ import redis
 
 from cluster.chaos import NETWORK_KINDS, ChaosError, Fault, parse, schedule
 from cluster.faultproxy import FaultProxy
+from cluster.metrics import Target, free_port, write_file_sd
 from cluster.processes import Child, SynchronizerChild, atoll_command, child_env, synchronizer_child
 from cluster.redis_server import RedisServer
 from cluster.report import build_report, check_invariants, merged_by_incarnation
 from cluster.settings import UpSettings
 from cluster.view import ClusterState, LiveView, read_state
 from learner.settings import ModelConfig
+from services import telemetry as tm
 from services.config import JobConfig
-from services.goodput import commits, provisioned_seconds
+from services.goodput import commits, slot_seconds
 from services.tape import Tape
 from services.tape import read as read_tape
 from synchronizer import inspect
@@ -77,6 +79,9 @@ class LocalCluster:
         self.proxy: FaultProxy | None = None
         self.slot_started: dict[str, float] = {}  # learner slot -> its first launch
         self.training_ended: float | None = None
+        self.slot_ended: dict[str, float] = {}  # learner slot -> when it left the job
+        self.learner_metrics: dict[str, int] = {}  # learner slot -> its /metrics port
+        self.tool_metrics_port = 0
         # Decoupled: a job budget, so learners a fault slowed are made up for by the others.
         # Sync mode keeps its learners in lockstep, each running exactly --steps (a budget
         # would end them at different steps, with rounds only some of them can complete).
@@ -175,9 +180,11 @@ class LocalCluster:
             self.tape.write("launched", learner=child.name)
         if restart:
             self.tape.write("restarted", **self._whom(child))
+        self.write_targets()
 
     # --- start ----------------------------------------------------------------------------
     def start(self) -> None:
+        self.serve_metrics()
         if not self.redis_url:
             self.redis = RedisServer(self.workdir / "redis", appendonly=True).start()
             self.redis_url = self.redis.url
@@ -198,6 +205,7 @@ class LocalCluster:
                 [*job_args, "--log-level", "info", *tape_args],
             )
             self.synchronizers.append(child.start_and_wait())
+        self.write_targets()
         addresses = ",".join(s.address for s in self.synchronizers)
         if any(f.kind in NETWORK_KINDS for f in self.faults):
             upstreams = [
@@ -258,10 +266,52 @@ class LocalCluster:
                 "2",
                 "--log-every",
                 str(self.s.log_every),
+                *self.metrics_args(name),
             )
             learner = Child(name, args, self.workdir / f"{name}.log", child_env(self.s.threads))
             self.learners.append(learner)
             self._launch(learner)
+
+    # --- metrics --------------------------------------------------------------------------
+    def provisioned(self) -> dict[str, float]:
+        """Each learner slot's provisioned seconds: from its first launch to its own end (it
+        left the job) or training's end, dead and restarting time included."""
+        return slot_seconds(self.slot_started, self.slot_ended, self.training_ended or time.time())
+
+    def serve_metrics(self) -> None:
+        """--metrics: `atoll up` exports every slot's provisioned seconds on its own port."""
+        if not self.s.metrics:
+            return
+        tm.SLOT_PROVISIONED.source = lambda: {(k,): v for k, v in self.provisioned().items()}
+        server, _ = tm.serve_metrics("tool", "127.0.0.1:0")
+        self.tool_metrics_port = server.server_port
+
+    def metrics_args(self, slot: str) -> list[str]:
+        """A learner's /metrics on a port its slot keeps across restarts; its provisioned
+        time is exported here, not by the learner (a dead learner exports nothing)."""
+        if not self.s.metrics:
+            return []
+        port = self.learner_metrics.setdefault(slot, free_port())
+        return ["--metrics-listen", f"127.0.0.1:{port}", "--no-export-provisioned"]
+
+    @property
+    def targets_path(self) -> Path:
+        return self.s.metrics_targets or self.workdir / "prometheus-targets.json"
+
+    def write_targets(self) -> None:
+        if not self.s.metrics:
+            return
+        targets = [Target(f"127.0.0.1:{self.tool_metrics_port}", "cluster")]
+        targets += [
+            Target(f"127.0.0.1:{s.metrics_port}", "synchronizer", s.name)
+            for s in self.synchronizers
+        ]
+        targets += [
+            Target(f"127.0.0.1:{self.learner_metrics[c.name]}", "learner", c.name)
+            for c in self.learners
+            if c.name in self.learner_metrics and c.name not in self.slot_ended
+        ]
+        write_file_sd(self.targets_path, targets)
 
     def batch_sizes(self) -> list[int]:
         """Each learner's batch size: --batch-sizes, or --batch-size for all."""
@@ -353,7 +403,6 @@ class LocalCluster:
         global_sums = inspect.global_checksums(
             r, self.s.job, self.s.fragments, str(self.workdir / "tensors")
         )
-        end = self.training_ended or time.time()
         self._close_tape(r, logs)
         invariants = check_invariants(
             logs,
@@ -379,7 +428,7 @@ class LocalCluster:
             summaries=summaries,
             stats=state.stats,
             wall_seconds=time.time() - self.started,
-            provisioned_seconds=provisioned_seconds(self.slot_started, end),
+            provisioned_seconds=sum(self.provisioned().values()),
             invariants=invariants,
             eval_loss=min(evals) if evals else math.nan,
             faults=self.injected,
@@ -434,6 +483,8 @@ def run(settings: UpSettings) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     view = LiveView(settings.live and sys.stdout.isatty(), workdir)
+    if settings.metrics:
+        print(f"atoll up: Prometheus file_sd targets in {cluster.targets_path}", flush=True)
     try:
         with view:
             cluster.plan_faults()

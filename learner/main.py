@@ -43,6 +43,8 @@ def run(settings: LearnerSettings) -> None:
     from learner import workload
     from learner.trainer import Learner, install_stop_handler, write_report
 
+    if not settings.export_provisioned:
+        tm.GOODPUT.supervised()
     if settings.metrics_listen:
         tm.serve_metrics("learner", settings.metrics_listen)
     learner = Learner(settings, workload.load(settings))

@@ -114,7 +114,6 @@ class SyncEngine:
         self._last_call = time.monotonic()
         self._last_heartbeat = 0.0
         self._reconnects_seen = 0
-        self._provisioned_until = time.monotonic()
         self.pending_acks: dict[int, tuple[int, float]] = {}  # seq -> (fragment, compute s)
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-encode")
         self._encoding: list[Future[tuple[int, int, float]]] = []
@@ -378,7 +377,7 @@ class SyncEngine:
             status = session_pb2.AckStatus.Name(ack.status).removeprefix("ACK_STATUS_").lower()
             self.tape.write("acked", uid=self._uid(seq), fragment=p, status=status)
             if ack.status in (session_pb2.ACK_STATUS_COMMITTED, session_pb2.ACK_STATUS_DUPLICATE):
-                tm.GOODPUT_SECONDS.inc(compute / self.fragments)
+                tm.GOODPUT.credit(compute / self.fragments)
                 continue
             log.warning("update_refused", fragment=p, reason=ack.reason)
             self.add_badput("lost", compute / self.fragments)
@@ -427,9 +426,6 @@ class SyncEngine:
         if self.client.stats.reconnects != self._reconnects_seen:
             self._reconnects_seen = self.client.stats.reconnects
             self.tape.write("reconnected", reconnects=self._reconnects_seen)
-        now = time.monotonic()
-        tm.PROVISIONED_SECONDS.inc(now - self._provisioned_until)
-        self._provisioned_until = now
         elapsed = max(1e-9, time.time() - self._started)
         self.client.heartbeat(
             step=self.step,

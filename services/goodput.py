@@ -19,6 +19,39 @@ def provisioned_seconds(slot_starts: Mapping[str, float], end: float) -> float:
     return sum(max(0.0, end - start) for start in slot_starts.values())
 
 
+def slot_seconds(
+    starts: Mapping[str, float], ends: Mapping[str, float], now: float
+) -> dict[str, float]:
+    """Each slot's provisioned seconds so far: from its first launch until its own end (it
+    left, or training ended) or `now`."""
+    return {slot: max(0.0, min(now, ends.get(slot, now)) - start) for slot, start in starts.items()}
+
+
+@dataclass
+class Release:
+    """Useful seconds released as they accrue: an acknowledged update credits several steps'
+    compute at once, and a counter that took it in one lump would make a windowed goodput
+    read above 1. Credit enters a backlog that flows out no faster than wall time (a learner
+    cannot compute more than one second per second), so over any window a learner's
+    released useful time is at most its provisioned time."""
+
+    released: float = 0.0
+    backlog: float = 0.0
+    since: float | None = None
+
+    def credit(self, seconds: float) -> None:
+        self.backlog += max(0.0, seconds)
+
+    def release(self, now: float) -> float:
+        """Move up to the wall time since the last call out of the backlog; the total."""
+        if self.since is not None:
+            out = min(self.backlog, max(0.0, now - self.since))
+            self.released += out
+            self.backlog -= out
+        self.since = now
+        return self.released
+
+
 def goodput(useful_s: float, provisioned_s: float) -> float:
     return useful_s / provisioned_s if provisioned_s > 0 else 0.0
 
