@@ -5,9 +5,11 @@ Keys are stable (see ARCHITECTURE.md); tools and checks read them.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from services.bandwidth import dp_equivalent_bytes
@@ -64,6 +66,45 @@ def merged_by_incarnation(
                 per = out.setdefault(learner, {})
                 per[incarnation] = per.get(incarnation, 0) + 1
     return out
+
+
+def combine_incarnations(incarnations: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One slot's summary over its incarnations, oldest first: the last one's counts and
+    state (steps and tokens carry over restarts), the first measured initial loss, and every
+    incarnation's loss and eval points on the first one's clock."""
+    first, last = incarnations[0], incarnations[-1]
+    t0 = float(first["started_at"])
+
+    def on_first_clock(key: str) -> list[list[Any]]:
+        return [
+            [float(point[0]) + float(s["started_at"]) - t0, *point[1:]]
+            for s in incarnations
+            for point in s.get(key, [])
+        ]
+
+    initial = [s["loss"]["initial"] for s in incarnations if s["loss"]["initial"] is not None]
+    return {
+        **last,
+        "started_at": t0,
+        "incarnations": len(incarnations),
+        "loss": {**last["loss"], "initial": initial[0] if initial else None},
+        "losses": on_first_clock("losses"),
+        "evals": on_first_clock("evals"),
+    }
+
+
+def read_summaries(folder: Path) -> list[dict[str, Any]]:
+    """Every slot's summary from `SLOT.N.summary.json` (N: the slot's Nth launch), its
+    incarnations combined; a slot whose last incarnation was killed has `partial` set."""
+    by_slot: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for path in folder.glob("*.*.summary.json"):
+        slot, _, n = path.name.removesuffix(".summary.json").rpartition(".")
+        if n.isdigit():
+            by_slot.setdefault(slot, []).append((int(n), json.loads(path.read_text())))
+    return [
+        combine_incarnations([summary for _, summary in sorted(by_slot[slot])])
+        for slot in sorted(by_slot)
+    ]
 
 
 def build_report(

@@ -39,8 +39,11 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
     report: Path | None = Field(None, description="write the run report JSON here")
     plot: Path | None = Field(None, description="write a PNG of the loss curves here")
     workdir: Path | None = Field(
-        None, description="folder for logs and learner state; default: a temporary one"
+        None,
+        description="folder for logs and learner state; default: a temporary one, removed "
+        "when the run succeeds unless --keep",
     )
+    keep: bool = Field(False, description="keep the temporary --workdir after a successful run")
     speeds: list[float] = Field(
         default_factory=list,
         description="per-learner artificial speed (1 = full; 0.25 = 4x slower); default all 1",

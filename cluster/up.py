@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from cluster.faultproxy import FaultProxy
 from cluster.metrics import Target, free_port, write_file_sd
 from cluster.processes import Child, SynchronizerChild, atoll_command, child_env, synchronizer_child
 from cluster.redis_server import RedisServer
-from cluster.report import build_report, check_invariants, merged_by_incarnation
+from cluster.report import build_report, check_invariants, merged_by_incarnation, read_summaries
 from cluster.settings import UpSettings
 from cluster.view import ClusterState, LiveView, read_state
 from learner.settings import ModelConfig
@@ -174,6 +175,9 @@ class LocalCluster:
         return {role: child.name}
 
     def _launch(self, child: Child, restart: bool = False) -> None:
+        if "--report" in child.args:  # each incarnation keeps its own summary
+            at = child.args.index("--report") + 1
+            child.args[at] = str(self.summary_path(child.name, child.starts + 1))
         child.start()
         if child in self.learners:
             self.slot_started.setdefault(child.name, time.time())
@@ -259,7 +263,7 @@ class LocalCluster:
                 "--state-dir",
                 str(self.workdir / "state"),
                 "--report",
-                str(self.summary_path(name)),
+                str(self.summary_path(name, 1)),
                 "--linger-s",
                 str(LINGER_S),
                 "--max-backoff-s",
@@ -317,8 +321,9 @@ class LocalCluster:
         """Each learner's batch size: --batch-sizes, or --batch-size for all."""
         return self.s.batch_sizes or [self.s.batch_size] * self.s.learners
 
-    def summary_path(self, name: str) -> Path:
-        return self.workdir / f"{name}.summary.json"
+    def summary_path(self, name: str, launch: int) -> Path:
+        """Where the slot's `launch`th incarnation writes its summary (`read_summaries`)."""
+        return self.workdir / f"{name}.{launch}.summary.json"
 
     # --- watch ----------------------------------------------------------------------------
     def client(self) -> Any:
@@ -394,11 +399,9 @@ class LocalCluster:
     # --- report ---------------------------------------------------------------------------
     def report(self, state: ClusterState) -> dict[str, Any]:
         r = self.client()
-        summaries = [
-            json.loads(self.summary_path(c.name).read_text())
-            for c in self.learners
-            if self.summary_path(c.name).exists()
-        ]
+        # A slot whose last incarnation was killed left only a partial summary: its steps
+        # are counted below as the synchronizer heard them, and it holds no final model.
+        summaries = [s for s in read_summaries(self.workdir) if not s.get("partial")]
         logs = [inspect.commit_log(r, self.s.job, p) for p in range(self.s.fragments)]
         global_sums = inspect.global_checksums(
             r, self.s.job, self.s.fragments, str(self.workdir / "tensors")
@@ -501,18 +504,14 @@ def run(settings: UpSettings) -> int:
     finally:
         cluster.stop()
     view.final(report)
-    if settings.report is not None:
-        settings.report.parent.mkdir(parents=True, exist_ok=True)
-        settings.report.write_text(json.dumps(report, indent=2) + "\n")
     if settings.plot is not None:
         from cluster.plot import plot_losses
 
-        plot_losses(
-            [
-                json.loads(cluster.summary_path(c.name).read_text())
-                for c in cluster.learners
-                if cluster.summary_path(c.name).exists()
-            ],
-            settings.plot,
-        )
+        plot_losses(read_summaries(workdir), settings.plot)
+    if settings.workdir is None and not settings.keep:  # a failed run keeps its logs
+        shutil.rmtree(workdir, ignore_errors=True)
+        print(f"atoll up: removed {workdir} (--keep keeps it)", flush=True)
+    if settings.report is not None:
+        settings.report.parent.mkdir(parents=True, exist_ok=True)
+        settings.report.write_text(json.dumps(report, indent=2) + "\n")
     return 0 if report["invariants"]["ok"] else 3

@@ -104,7 +104,7 @@ class LiveView:
         ]
         summary = (
             f"t={state.elapsed:6.1f}s  versions={state.versions}  "
-            f"eval={min(evals) if evals else float('nan'):.3f}  goodput={good:.2f}  "
+            f"eval {f'{min(evals):.3f}' if evals else '-'}  goodput={good:.2f}  "
             f"up={up / 1e6:.1f}MB down={down / 1e6:.1f}MB  vs data-parallel: {reduction} less"
         )
         if self._live is not None:

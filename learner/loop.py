@@ -203,6 +203,7 @@ class InnerLoop:
         tm.LEARNER_LOSS.set(self.loss)
         if self.step % max(1, self.settings.log_every) == 0 or self.step == 1:
             self.timeline.losses.append((self.timeline.now(), self.step, self.tokens, self.loss))
+            self._write_progress()
         self.tape.write("step", step=self.step, seconds=round(seconds, 6))
 
     def _maybe_checkpoint(self, params: Any, opt_state: Any) -> None:
@@ -241,6 +242,30 @@ class InnerLoop:
     def _badput(self, source: str, seconds: float) -> None:
         self.timeline.badput[source] += seconds
         tm.BADPUT_SECONDS.labels(source=source).inc(seconds)
+
+    def _write_progress(self) -> None:
+        """This incarnation's summary so far, at --report, marked `partial`: a killed
+        incarnation leaves its losses behind for the run's summary and plot (the final
+        summary replaces it)."""
+        if self.settings.report is None:
+            return
+        progress = {
+            "learner": self.settings.id,
+            "incarnation": self.incarnation,
+            "partial": True,
+            "steps": self.step,
+            "tokens": self.tokens,
+            "started_at": self.timeline.started,
+            "loss": {"initial": self.timeline.losses[0][3], "final": self.loss},
+            "eval_loss": self.eval_loss,
+            "losses": self.timeline.losses,
+            "evals": self.timeline.evals,
+        }
+        path = self.settings.report
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(progress))
+        tmp.replace(path)
 
     def summary(self, params: Any) -> dict[str, Any]:
         synced = self.sync.summary(params) if self.sync is not None else {}
