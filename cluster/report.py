@@ -6,6 +6,7 @@ Keys are stable (see ARCHITECTURE.md); tools and checks read them.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -134,7 +135,11 @@ def build_report(
     up, down = stats.get("bytes_up", 0.0), stats.get("bytes_down", 0.0)
     dp = dp_equivalent_bytes(parameters, learners, steps_total)
     initial = [s["loss"]["initial"] for s in summaries if s["loss"]["initial"] is not None]
-    final = [s["loss"]["final"] for s in summaries if s["loss"]["final"] is not None]
+    final = [  # a slot that left before its first step has no loss (NaN)
+        s["loss"]["final"]
+        for s in summaries
+        if s["loss"]["final"] is not None and math.isfinite(s["loss"]["final"])
+    ]
     useful = stats.get("useful_seconds", 0.0)
     return {
         "learners": learners,

@@ -66,6 +66,12 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
     live: bool = Field(True, description="show the live view when stdout is a terminal")
     log_every: int = Field(10, ge=1, description="steps between loss points in summaries/plots")
     timeout_s: float = Field(3600.0, gt=0.0, description="stop everything after this long")
+    scale: str = Field(
+        "",
+        description="grow and shrink the job while it runs: 'at=60s,learners=6;at=120s,"
+        "learners=3' (times from the first inner step); new slots join and fetch the global "
+        "model, the newest slots leave cleanly (SIGTERM, final sync)",
+    )
     chaos: str = Field(
         "",
         description="faults to inject, 'KIND:key=value,...;...' with KIND learner-kill (mtbf, "

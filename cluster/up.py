@@ -29,6 +29,7 @@ from cluster.metrics import Target, free_port, write_file_sd
 from cluster.processes import Child, SynchronizerChild, atoll_command, child_env, synchronizer_child
 from cluster.redis_server import RedisServer
 from cluster.report import build_report, check_invariants, merged_by_incarnation, read_summaries
+from cluster.scale import ScaleEvent, parse_scale, slots_ever
 from cluster.settings import UpSettings
 from cluster.view import ClusterState, LiveView, read_state
 from learner.settings import ModelConfig
@@ -83,6 +84,9 @@ class LocalCluster:
         self.slot_ended: dict[str, float] = {}  # learner slot -> when it left the job
         self.learner_metrics: dict[str, int] = {}  # learner slot -> its /metrics port
         self.tool_metrics_port = 0
+        self.scale_plan: list[ScaleEvent] = []
+        self._tape_args: list[str] = []  # --tape for learners, when the run keeps one
+        self.slots_ever = settings.learners  # data shards: one per slot the job will have
         # Decoupled: a job budget, so learners a fault slowed are made up for by the others.
         # Sync mode keeps its learners in lockstep, each running exactly --steps (a budget
         # would end them at different steps, with rounds only some of them can complete).
@@ -110,6 +114,8 @@ class LocalCluster:
                 return
             self._training_since = time.time()
         now = time.time() - self._training_since
+        while self.scale_plan and self.scale_plan[0].at_s <= now:
+            self.scale_to(self.scale_plan.pop(0).learners)
         for at, action, child in [x for x in self._later if x[0] <= now]:
             self._later.remove((at, action, child))
             if action == "start":
@@ -216,10 +222,6 @@ class LocalCluster:
                 (a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addresses.split(",")
             ]
             self.proxy = FaultProxy(self.s.learners, upstreams).start()
-        # Every learner evaluates the same global model: they take turns, so the cluster
-        # evaluates about every --eval-every steps and no learner spends M times that.
-        model_args = flags(self.s, [f for f in ModelConfig.model_fields if f != "eval_every"])
-        turns = self.s.eval_every * self.s.learners
         speeds = self.s.speeds or [1.0] * self.s.learners
         if len(speeds) != self.s.learners:
             raise ValueError(f"--speeds gives {len(speeds)} values for {self.s.learners} learners")
@@ -228,53 +230,90 @@ class LocalCluster:
             raise ValueError(
                 f"--batch-sizes gives {len(batches)} values for {self.s.learners} learners"
             )
+        self._tape_args = tape_args
         for i in range(self.s.learners):
-            name = f"learner-{i}"
-            order = self.proxy.addresses[i] if self.proxy else addresses.split(",")
-            order = order[i % len(order) :] + order[: i % len(order)]  # spread over replicas
-            args = atoll_command(
-                "learner",
-                *model_args,
-                "--eval-every",
-                str(turns),
-                "--eval-offset",
-                str(i * self.s.eval_every),
-                "--synchronizer",
-                ",".join(order),
-                "--id",
-                name,
-                "--job",
-                self.s.job,
-                "--steps",
-                str(self.job_steps or self.s.steps),  # with a budget, only a cap
-                "--lr-horizon-steps",
-                str(self.s.steps),
-                "--compile-cache",
-                str(self.s.compile_cache or default_compile_cache()),
-                *tape_args,
-                "--shard",
-                str(i),
-                "--num-shards",
-                str(self.s.learners),
-                "--speed",
-                str(speeds[i]),
-                "--batch-size",
-                str(batches[i]),
-                "--state-dir",
-                str(self.workdir / "state"),
-                "--report",
-                str(self.summary_path(name, 1)),
-                "--linger-s",
-                str(LINGER_S),
-                "--max-backoff-s",
-                "2",
-                "--log-every",
-                str(self.s.log_every),
-                *self.metrics_args(name),
-            )
-            learner = Child(name, args, self.workdir / f"{name}.log", child_env(self.s.threads))
+            learner = self.learner_child(i)
             self.learners.append(learner)
             self._launch(learner)
+
+    def learner_child(self, i: int) -> Child:
+        """Learner slot i (not started): its synchronizers, data shard, speed and batch."""
+        name = f"learner-{i}"
+        addresses = [s.address for s in self.synchronizers]
+        order = self.proxy.addresses[i] if self.proxy and i < self.s.learners else addresses
+        order = order[i % len(order) :] + order[: i % len(order)]  # spread over replicas
+        # Every learner evaluates the same global model: they take turns, so the cluster
+        # evaluates about every --eval-every steps and no learner spends M times that.
+        model_args = flags(self.s, [f for f in ModelConfig.model_fields if f != "eval_every"])
+        turns = self.s.eval_every * self.s.learners
+        args = atoll_command(
+            "learner",
+            *model_args,
+            "--eval-every",
+            str(turns),
+            "--eval-offset",
+            str(i * self.s.eval_every),
+            "--synchronizer",
+            ",".join(order),
+            "--id",
+            name,
+            "--job",
+            self.s.job,
+            "--steps",
+            str(self.job_steps or self.s.steps),  # with a budget, only a cap
+            "--lr-horizon-steps",
+            str(self.s.steps),
+            "--compile-cache",
+            str(self.s.compile_cache or default_compile_cache()),
+            *self._tape_args,
+            "--shard",
+            str(i),
+            "--num-shards",
+            str(self.slots_ever),
+            "--speed",
+            str(self.s.speeds[i] if i < len(self.s.speeds) else 1.0),
+            "--batch-size",
+            str(self.batch_size(i)),
+            "--state-dir",
+            str(self.workdir / "state"),
+            "--report",
+            str(self.summary_path(name, 1)),
+            "--linger-s",
+            str(LINGER_S),
+            "--max-backoff-s",
+            "2",
+            "--log-every",
+            str(self.s.log_every),
+            *self.metrics_args(name),
+        )
+        return Child(name, args, self.workdir / f"{name}.log", child_env(self.s.threads))
+
+    # --- scaling --------------------------------------------------------------------------
+    def plan_scaling(self) -> None:
+        self.scale_plan = parse_scale(self.s.scale) if self.s.scale else []
+        self.slots_ever = slots_ever(self.s.learners, self.scale_plan)
+
+    def active(self) -> list[Child]:
+        """Learner slots in the job now (not the ones that left it)."""
+        return [c for c in self.learners if c.name not in self.slot_ended]
+
+    def scale_to(self, learners: int) -> None:
+        """Grow with new slots (numbered on), or let the newest slots leave: SIGTERM, after
+        which each does its final sync, ends its session and exits; not a fault."""
+        active = self.active()
+        for _ in range(learners - len(active)):
+            child = self.learner_child(len(self.learners))
+            self.learners.append(child)
+            self._launch(child)
+        for child in active[learners:]:
+            self.slot_ended[child.name] = time.time()
+            self._down.discard(child.name)  # a dead slot leaving is not brought back
+            self._later = [x for x in self._later if x[2] is not child]
+            child.signal(signal.SIGCONT)
+            child.signal(signal.SIGTERM)
+            self.tape.write("left", learner=child.name)
+        self.tape.write("scaled", learners=learners)
+        self.write_targets()
 
     # --- metrics --------------------------------------------------------------------------
     def provisioned(self) -> dict[str, float]:
@@ -321,6 +360,10 @@ class LocalCluster:
         """Each learner's batch size: --batch-sizes, or --batch-size for all."""
         return self.s.batch_sizes or [self.s.batch_size] * self.s.learners
 
+    def batch_size(self, i: int) -> int:
+        """Slot i's batch size (a slot added by --scale: --batch-size)."""
+        return self.s.batch_sizes[i] if i < len(self.s.batch_sizes) else self.s.batch_size
+
     def summary_path(self, name: str, launch: int) -> Path:
         """Where the slot's `launch`th incarnation writes its summary (`read_summaries`)."""
         return self.workdir / f"{name}.{launch}.summary.json"
@@ -348,6 +391,7 @@ class LocalCluster:
                 and c.process.returncode != 0
                 and c.name not in self._down
                 and c.name not in self._ended_dead
+                and c.name not in self.slot_ended  # it left the job (--scale)
                 # Told to stop at the end: a SIGTERM that lands while Python is already
                 # shutting down ends the process by the signal. Its work is done.
                 and not (c.name in self._told_to_stop and c.process.returncode == -signal.SIGTERM)
@@ -373,12 +417,14 @@ class LocalCluster:
         """Every learner has finished; or the job's step budget is spent, every live learner
         has finished, and the others are dead. Those are not brought back to send their last
         few steps (the live ones would idle while they come back): their slots end dead."""
-        if state.learners_done + len(self._ended_dead) >= self.s.learners:
+        slots = {c.name for c in self.active()}
+        done = sum(1 for n, f in state.learners.items() if n in slots and f.get("done") == "1")
+        if done + len(self._ended_dead) >= len(slots):
             return True
-        if not self.job_steps or not state.learners_done:
+        if not self.job_steps or not done:
             return False
-        dead = [c for c in self.learners if c.name in self._down]
-        if state.learners_done + len(self._ended_dead) + len(dead) < self.s.learners:
+        dead = [c for c in self.active() if c.name in self._down]
+        if done + len(self._ended_dead) + len(dead) < len(slots):
             return False
         for c in dead:
             self._down.discard(c.name)
@@ -412,17 +458,20 @@ class LocalCluster:
             state.versions,
             accepted=int(state.stats.get("updates_accepted", 0)),
             pending=state.pending,
-            learner_checksums={s["learner"]: s["checksums"] for s in summaries},
+            learner_checksums={
+                s["learner"]: s["checksums"]
+                for s in summaries
+                if s["learner"] not in self.slot_ended
+            },
             global_checksums=global_sums,
         )
         evals = [s["eval_loss"] for s in summaries if s["eval_loss"] is not None]
         # A slot that ended dead wrote no summary: count its steps as the synchronizer last
         # heard them (each slot's newest step count, from its heartbeats).
         heard = inspect.slot_steps(r, self.s.job)
-        batches = self.batch_sizes()
         reported = {s["learner"] for s in summaries}
         unreported = {
-            c.name: (heard.get(c.name, 0), batches[i] * self.s.context)
+            c.name: (heard.get(c.name, 0), self.batch_size(i) * self.s.context)
             for i, c in enumerate(self.learners)
             if c.name not in reported
         }
@@ -491,6 +540,7 @@ def run(settings: UpSettings) -> int:
     try:
         with view:
             cluster.plan_faults()
+            cluster.plan_scaling()
             cluster.start()
             state = cluster.wait(view)
         report = cluster.report(state)

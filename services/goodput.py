@@ -1,10 +1,10 @@
 """Goodput, defined once (ARCHITECTURE.md): useful learner-seconds over provisioned ones.
 
-Provisioned: every learner slot's wall time from its first launch to the end of training,
-dead and restarting time included. Useful: inner-step compute time whose outer gradient
-entered a committed merge, a step counting 1/P for each of its fragments merged (the
-synchronizer sums that at commit: `useful_seconds`). The run report, `atoll check` and
-`atoll sim` all compute it here.
+Provisioned: every learner slot's wall time from its first launch to the end of training
+(or to when it left the job), dead and restarting time included. Useful: inner-step compute
+time whose outer gradient entered a committed merge, a step counting 1/P for each of its
+fragments merged (the synchronizer sums that at commit: `useful_seconds`). The run report,
+`atoll check` and `atoll sim` all compute it here.
 """
 
 from __future__ import annotations
@@ -85,6 +85,11 @@ def slot_starts(events: Sequence[dict[str, Any]]) -> dict[str, float]:
     return starts
 
 
+def slot_ends(events: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """When each learner slot that left the job (`atoll up --scale`) was told to leave."""
+    return {str(e["learner"]): float(e["t"]) for e in events if e["kind"] == "left"}
+
+
 def training_end(events: Sequence[dict[str, Any]]) -> float:
     """When training ended: the cluster's `training_ended`, else the run's end, else the
     last event (a tape cut short)."""
@@ -99,7 +104,7 @@ def from_tape(events: Sequence[dict[str, Any]]) -> TapeGoodput:
     starts = slot_starts(events)
     end = training_end(events)
     useful = sum(float(c.get("useful_seconds", 0.0)) for c in commits(events).values())
-    provisioned = provisioned_seconds(starts, end)
+    provisioned = sum(slot_seconds(starts, slot_ends(events), end).values())
     return TapeGoodput(
         useful_s=useful,
         provisioned_s=provisioned,
