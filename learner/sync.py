@@ -470,6 +470,7 @@ class SyncEngine:
                 self._wait_for(p, source="waiting")
             self._drain_acks()
             self.heartbeat(done=True)
+            tm.GOODPUT.end()
             linger_until = time.monotonic() + self.settings.linger_s
             while time.monotonic() < linger_until and not self.stop_requested.is_set():
                 self._apply_arrivals(timeout=0.2)

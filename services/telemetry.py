@@ -226,6 +226,7 @@ class LearnerGoodput:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._useful = Release(since=time.monotonic())
+        self._ended = False
         self._started = time.monotonic() - _process_age()
         self.goodput = _ReadAtScrape("atoll_goodput_seconds", GOODPUT_HELP)
         self.goodput.source = self._useful_seconds
@@ -240,7 +241,17 @@ class LearnerGoodput:
 
     def _useful_seconds(self) -> dict[tuple[str, ...], float]:
         with self._lock:
+            if self._ended:
+                return {(): self._useful.released}
             return {(): self._useful.release(time.monotonic())}
+
+    def end(self) -> None:
+        """This learner's training is over (done, or told to stop): release no more. Its
+        provisioned time may stop counting now (`atoll up` ends a slot's at training's end
+        or when it is told to leave), and useful time released after it would read as
+        goodput above 1; what is left unreleased is at most one update's compute. No lock:
+        a signal handler calls it, maybe while this thread holds the lock."""
+        self._ended = True
 
     def supervised(self) -> None:
         """A supervisor (`atoll up --metrics`) exports this slot's provisioned time, dead
