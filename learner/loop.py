@@ -36,6 +36,9 @@ log = structlog.get_logger("atoll.learner")
 EMA_DECAY = 0.9
 
 
+PROGRESS_EVERY_S = 2.0  # how often a learner rewrites its partial summary
+
+
 @dataclass
 class Timeline:
     started: float = field(default_factory=time.time)
@@ -86,6 +89,7 @@ class InnerLoop:
         self.eval_loss = math.nan
         self._last_checkpoint = -math.inf  # when it was taken (monotonic)
         self._position_saved = time.monotonic()
+        self._progress_written = 0.0
         self.tx = workload.optimizer if workload.optimizer is not None else adamw(settings)
         devices = jax.devices()
         if settings.batch_size % len(devices):
@@ -249,6 +253,9 @@ class InnerLoop:
         summary replaces it)."""
         if self.settings.report is None:
             return
+        if time.monotonic() - self._progress_written < PROGRESS_EVERY_S:
+            return  # the file grows with the run: rewrite it now and then, not every point
+        self._progress_written = time.monotonic()
         progress = {
             "learner": self.settings.id,
             "incarnation": self.incarnation,
