@@ -11,13 +11,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsConfigDict
 
-from bench.settings import BenchCommand
+from bench.settings import BENCHMARKS, BenchCommand
 from cluster.check import CheckSettings
 from cluster.evaluate import EvalSettings
 from cluster.export import ExportSettings
 from cluster.settings import UpSettings
 from learner.settings import LearnerSettings
-from services.config import SynchronizerSettings
+from services.config import CLI_HELP, HelpFormat, SynchronizerSettings
 from services.lifecycle import reuse_large_buffers, watch_parent
 from sim.plan import PlanSettings
 from sim.settings import SimSettings
@@ -99,7 +99,7 @@ class Atoll(BaseSettings):
     """atoll: resilient, low-bandwidth distributed training (Decoupled DiLoCo); --version."""
 
     model_config = SettingsConfigDict(
-        cli_kebab_case=True, cli_prog_name="atoll", cli_implicit_flags=True
+        **CLI_HELP, cli_kebab_case=True, cli_prog_name="atoll", cli_implicit_flags=True
     )
 
     synchronizer: CliSubCommand[SynchronizerCommand] = Field(
@@ -126,9 +126,7 @@ class Atoll(BaseSettings):
     plan: CliSubCommand[PlanCommand] = Field(
         description="WAN bandwidth for a target utilization, data-parallel against atoll"
     )
-    bench: CliSubCommand[BenchCommand] = Field(
-        description="benchmarks: synchronizer ingest, quality, overlap"
-    )
+    bench: CliSubCommand[BenchCommand] = Field(description="benchmarks: " + ", ".join(BENCHMARKS))
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)
@@ -146,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     watch_parent()
     reuse_large_buffers()
     try:
-        CliApp.run(Atoll, cli_args=args)
+        CliApp.run(Atoll, cli_args=args, cli_settings_source=HelpFormat(Atoll))
     except ValidationError as err:
         for problem in err.errors():
             flag = "--" + "-".join(str(p) for p in problem["loc"][-1:]).replace("_", "-")

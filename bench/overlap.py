@@ -53,7 +53,7 @@ def run(settings: OverlapBench) -> None:
                 "--id",
                 "alone",
                 "--report",
-                str(root / "alone" / "w" / "alone.summary.json"),
+                str(root / "alone" / "w" / "alone.1.summary.json"),
             ]
         )
         nosync = steps_per_second(learner_summaries(root / "alone")[0], skip=2)

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cluster.report import read_summaries
+
 
 def atoll(args: Sequence[str], timeout_s: float = 3600) -> None:
     proc = subprocess.run(
@@ -126,7 +128,8 @@ def algorithm_flags(settings: Any) -> list[str]:
 
 
 def learner_summaries(workdir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted((workdir / "w").glob("*.summary.json"))]
+    """Every learner slot's summary, its incarnations combined."""
+    return read_summaries(workdir / "w")
 
 
 def steps_per_second(summary: dict[str, Any], skip: int = 1) -> float:

@@ -386,3 +386,11 @@ class BenchCommand(AtollSettings):
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)
+
+
+# Every benchmark a user can run, as `atoll --help` lists them.
+BENCHMARKS = tuple(
+    name.replace("_", "-")
+    for name, field in BenchCommand.model_fields.items()
+    if not (field.description or "").startswith("internal")
+)

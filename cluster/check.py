@@ -6,7 +6,8 @@
 - each fragment's versions consecutive from 1, each round committed once (two commits of
   one version with different updates is a split brain);
 - after the final sync every live learner holds the global model: each learner's last
-  `finished` checksums equal the checksums of its fragments' last commits.
+  `finished` checksums equal the checksums of its fragments' last commits (a slot that left
+  the job, `atoll up --scale`, is not held to it).
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def _final_models(
         return []
     final = [int(last[p]["checksum"]) for p in sorted(last)]
     finished: dict[str, dict[str, Any]] = {}
+    left = gp.slot_ends(events)  # a slot that left the job ends on the model of its leaving
     for e in events:
-        if e["kind"] == "finished":
+        if e["kind"] == "finished" and str(e["who"]) not in left:
             finished[str(e["who"])] = e  # each learner's last word
     return [
         f"learner {who} does not hold the final global model"

@@ -15,14 +15,20 @@ import matplotlib.pyplot as plt
 
 def plot_losses(summaries: Sequence[dict[str, Any]], path: Path) -> None:
     fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    # One clock for the run: each slot's points (every incarnation, `combine_incarnations`)
+    # are seconds from its own first start, which may come after the run's.
+    t0 = min((float(s["started_at"]) for s in summaries), default=0.0)
     for s in summaries:
         losses = s["losses"]
         if not losses:
             continue
         t, _, tokens, loss = zip(*losses, strict=True)
+        t = tuple(x + float(s["started_at"]) - t0 for x in t)
         by_time.plot(t, loss, lw=1, alpha=0.8, label=s["learner"])
         by_tokens.plot(tokens, loss, lw=1, alpha=0.8, label=s["learner"])
-    evals = sorted(e for s in summaries for e in s["evals"])
+    evals = sorted(
+        (e[0] + float(s["started_at"]) - t0, *e[1:]) for s in summaries for e in s["evals"]
+    )
     if evals:
         t, _, tokens, loss = zip(*evals, strict=True)
         by_time.plot(t, loss, "k.", ms=5, label="global model (eval)")

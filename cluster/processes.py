@@ -165,6 +165,8 @@ class SynchronizerChild(Child):
         # A restart comes back on the same address, where learners look for it.
         listen = self.args.index("--listen") + 1
         self.args[listen] = f"127.0.0.1:{self.port}"
+        metrics = self.args.index("--metrics-listen") + 1  # and its /metrics, for Prometheus
+        self.args[metrics] = f"127.0.0.1:{self.metrics_port}"
         return self
 
 

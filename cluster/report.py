@@ -5,9 +5,12 @@ Keys are stable (see ARCHITECTURE.md); tools and checks read them.
 
 from __future__ import annotations
 
+import json
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from services.bandwidth import dp_equivalent_bytes
@@ -66,6 +69,45 @@ def merged_by_incarnation(
     return out
 
 
+def combine_incarnations(incarnations: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One slot's summary over its incarnations, oldest first: the last one's counts and
+    state (steps and tokens carry over restarts), the first measured initial loss, and every
+    incarnation's loss and eval points on the first one's clock."""
+    first, last = incarnations[0], incarnations[-1]
+    t0 = float(first["started_at"])
+
+    def on_first_clock(key: str) -> list[list[Any]]:
+        return [
+            [float(point[0]) + float(s["started_at"]) - t0, *point[1:]]
+            for s in incarnations
+            for point in s.get(key, [])
+        ]
+
+    initial = [s["loss"]["initial"] for s in incarnations if s["loss"]["initial"] is not None]
+    return {
+        **last,
+        "started_at": t0,
+        "incarnations": len(incarnations),
+        "loss": {**last["loss"], "initial": initial[0] if initial else None},
+        "losses": on_first_clock("losses"),
+        "evals": on_first_clock("evals"),
+    }
+
+
+def read_summaries(folder: Path) -> list[dict[str, Any]]:
+    """Every slot's summary from `SLOT.N.summary.json` (N: the slot's Nth launch), its
+    incarnations combined; a slot whose last incarnation was killed has `partial` set."""
+    by_slot: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for path in folder.glob("*.*.summary.json"):
+        slot, _, n = path.name.removesuffix(".summary.json").rpartition(".")
+        if n.isdigit():
+            by_slot.setdefault(slot, []).append((int(n), json.loads(path.read_text())))
+    return [
+        combine_incarnations([summary for _, summary in sorted(by_slot[slot])])
+        for slot in sorted(by_slot)
+    ]
+
+
 def build_report(
     *,
     settings: dict[str, Any],
@@ -93,7 +135,11 @@ def build_report(
     up, down = stats.get("bytes_up", 0.0), stats.get("bytes_down", 0.0)
     dp = dp_equivalent_bytes(parameters, learners, steps_total)
     initial = [s["loss"]["initial"] for s in summaries if s["loss"]["initial"] is not None]
-    final = [s["loss"]["final"] for s in summaries if s["loss"]["final"] is not None]
+    final = [  # a slot that left before its first step has no loss (NaN)
+        s["loss"]["final"]
+        for s in summaries
+        if s["loss"]["final"] is not None and math.isfinite(s["loss"]["final"])
+    ]
     useful = stats.get("useful_seconds", 0.0)
     return {
         "learners": learners,

@@ -44,8 +44,11 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
     )
     plot: Path | None = Field(None, description="write a PNG of the loss curves here")
     workdir: Path | None = Field(
-        None, description="folder for logs and learner state; default: a temporary one"
+        None,
+        description="folder for logs and learner state; default: a temporary one, removed "
+        "when the run succeeds unless --keep",
     )
+    keep: bool = Field(False, description="keep the temporary --workdir after a successful run")
     speeds: list[float] = Field(
         default_factory=list,
         description="per-learner artificial speed (1 = full; 0.25 = 4x slower); default all 1",
@@ -74,9 +77,25 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         description="run the cluster on mTLS: a throwaway CA, a server certificate and one "
         "client certificate per learner slot (in the workdir's tls folder)",
     )
+    metrics: bool = Field(
+        False,
+        description="every learner and replica serves /metrics on a loopback port, listed "
+        "in a Prometheus file_sd JSON file (--metrics-targets)",
+    )
+    metrics_targets: Path | None = Field(
+        None,
+        description="where --metrics writes the file_sd JSON; default "
+        "WORKDIR/prometheus-targets.json",
+    )
     live: bool = Field(True, description="show the live view when stdout is a terminal")
     log_every: int = Field(10, ge=1, description="steps between loss points in summaries/plots")
     timeout_s: float = Field(3600.0, gt=0.0, description="stop everything after this long")
+    scale: str = Field(
+        "",
+        description="grow and shrink the job while it runs: 'at=60s,learners=6;at=120s,"
+        "learners=3' (times from the first inner step); new slots join and fetch the global "
+        "model, the newest slots leave cleanly (SIGTERM, final sync)",
+    )
     chaos: str = Field(
         "",
         description="faults to inject, 'KIND:key=value,...;...' with KIND learner-kill (mtbf, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -26,6 +27,7 @@ import redis
 from cluster.chaos import NETWORK_KINDS, ChaosError, Fault, parse, schedule
 from cluster.export import export_model
 from cluster.faultproxy import FaultProxy
+from cluster.metrics import Target, free_port, write_file_sd
 from cluster.processes import (
     Child,
     SynchronizerChild,
@@ -35,13 +37,15 @@ from cluster.processes import (
     synchronizer_child,
 )
 from cluster.redis_server import RedisServer
-from cluster.report import build_report, check_invariants, merged_by_incarnation
+from cluster.report import build_report, check_invariants, merged_by_incarnation, read_summaries
+from cluster.scale import ScaleEvent, parse_scale, slots_ever
 from cluster.settings import UpSettings
 from cluster.view import ClusterState, LiveView, read_state
 from learner.settings import ModelConfig
+from services import telemetry as tm
 from services import tls
 from services.config import JobConfig
-from services.goodput import commits, provisioned_seconds
+from services.goodput import commits, slot_seconds
 from services.tape import Tape
 from services.tape import read as read_tape
 from synchronizer import inspect
@@ -87,6 +91,12 @@ class LocalCluster:
         self.proxy: FaultProxy | None = None
         self.slot_started: dict[str, float] = {}  # learner slot -> its first launch
         self.training_ended: float | None = None
+        self.slot_ended: dict[str, float] = {}  # learner slot -> when it left the job
+        self.learner_metrics: dict[str, int] = {}  # learner slot -> its /metrics port
+        self.tool_metrics_port = 0
+        self.scale_plan: list[ScaleEvent] = []
+        self._tape_args: list[str] = []  # --tape for learners, when the run keeps one
+        self.slots_ever = settings.learners  # data shards: one per slot the job will have
         # Decoupled: a job budget, so learners a fault slowed are made up for by the others.
         # Sync mode keeps its learners in lockstep, each running exactly --steps (a budget
         # would end them at different steps, with rounds only some of them can complete).
@@ -115,6 +125,8 @@ class LocalCluster:
                 return
             self._training_since = time.time()
         now = time.time() - self._training_since
+        while self.scale_plan and self.scale_plan[0].at_s <= now:
+            self.scale_to(self.scale_plan.pop(0).learners)
         for at, action, child in [x for x in self._later if x[0] <= now]:
             self._later.remove((at, action, child))
             if action == "start":
@@ -180,12 +192,16 @@ class LocalCluster:
         return {role: child.name}
 
     def _launch(self, child: Child, restart: bool = False) -> None:
+        if "--report" in child.args:  # each incarnation keeps its own summary
+            at = child.args.index("--report") + 1
+            child.args[at] = str(self.summary_path(child.name, child.starts + 1))
         child.start()
         if child in self.learners:
             self.slot_started.setdefault(child.name, time.time())
             self.tape.write("launched", learner=child.name)
         if restart:
             self.tape.write("restarted", **self._whom(child))
+        self.write_targets()
 
     # --- start ----------------------------------------------------------------------------
     def security(self) -> Callable[[str | None], list[str]]:
@@ -205,6 +221,7 @@ class LocalCluster:
         return flags
 
     def start(self) -> None:
+        self.serve_metrics()
         if not self.redis_url:
             self.redis = RedisServer(self.workdir / "redis", appendonly=True).start()
             self.redis_url = self.redis.url
@@ -217,7 +234,7 @@ class LocalCluster:
             "run_started",
             **{k: v for k, v in job.model_dump(mode="json").items() if k in RUN_KEYS},
         )
-        security = self.security()
+        security = self._security = self.security()
         for i in range(self.s.synchronizers):
             child = synchronizer_child(
                 self.workdir,
@@ -227,16 +244,13 @@ class LocalCluster:
                 security=security(None),
             )
             self.synchronizers.append(child.start_and_wait())
+        self.write_targets()
         addresses = ",".join(s.address for s in self.synchronizers)
         if any(f.kind in NETWORK_KINDS for f in self.faults):
             upstreams = [
                 (a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addresses.split(",")
             ]
             self.proxy = FaultProxy(self.s.learners, upstreams).start()
-        # Every learner evaluates the same global model: they take turns, so the cluster
-        # evaluates about every --eval-every steps and no learner spends M times that.
-        model_args = flags(self.s, [f for f in ModelConfig.model_fields if f != "eval_every"])
-        turns = self.s.eval_every * self.s.learners
         speeds = self.s.speeds or [1.0] * self.s.learners
         if len(speeds) != self.s.learners:
             raise ValueError(f"--speeds gives {len(speeds)} values for {self.s.learners} learners")
@@ -245,75 +259,159 @@ class LocalCluster:
             raise ValueError(
                 f"--batch-sizes gives {len(batches)} values for {self.s.learners} learners"
             )
+        self._tape_args = tape_args
         for i in range(self.s.learners):
-            name = f"learner-{i}"
-            order = self.proxy.addresses[i] if self.proxy else addresses.split(",")
-            # Owners are reached through the same proxy as the session: a fault cuts both.
-            routes = (
-                [f"{s.address}={p}" for s, p in zip(self.synchronizers, order, strict=True)]
-                if self.proxy
-                else []
-            )
-            order = order[i % len(order) :] + order[: i % len(order)]  # spread over replicas
-            args = atoll_command(
-                "learner",
-                *security(name),
-                *model_args,
-                "--eval-every",
-                str(turns),
-                "--eval-offset",
-                str(i * self.s.eval_every),
-                "--synchronizer",
-                ",".join(order),
-                *(["--route", ",".join(routes)] if routes else []),
-                "--id",
-                name,
-                "--job",
-                self.s.job,
-                "--steps",
-                str(self.job_steps or self.s.steps),  # with a budget, only a cap
-                "--lr-horizon-steps",
-                str(self.s.steps),
-                "--compile-cache",
-                str(self.s.compile_cache or default_compile_cache()),
-                *tape_args,
-                "--shard",
-                str(i),
-                "--num-shards",
-                str(self.s.learners),
-                "--speed",
-                str(speeds[i]),
-                "--batch-size",
-                str(batches[i]),
-                "--state-dir",
-                str(self.workdir / "state"),
-                "--report",
-                str(self.summary_path(name)),
-                "--linger-s",
-                str(LINGER_S),
-                "--max-backoff-s",
-                "2",
-                "--log-every",
-                str(self.s.log_every),
-            )
-            env = child_env(self.s.threads, self.devices(i), accelerators=True)
-            learner = Child(name, args, self.workdir / f"{name}.log", env)
+            learner = self.learner_child(i)
             self.learners.append(learner)
             self._launch(learner)
+
+    def learner_child(self, i: int) -> Child:
+        """Learner slot i (not started): its synchronizers, data shard, speed and batch."""
+        name = f"learner-{i}"
+        addresses = [s.address for s in self.synchronizers]
+        order = self.proxy.addresses[i] if self.proxy and i < self.s.learners else addresses
+        # Owners are reached through the same proxy as the session: a fault cuts both.
+        routes = (
+            [f"{a}={p}" for a, p in zip(addresses, order, strict=True)]
+            if order != addresses
+            else []
+        )
+        order = order[i % len(order) :] + order[: i % len(order)]  # spread over replicas
+        # Every learner evaluates the same global model: they take turns, so the cluster
+        # evaluates about every --eval-every steps and no learner spends M times that.
+        model_args = flags(self.s, [f for f in ModelConfig.model_fields if f != "eval_every"])
+        turns = self.s.eval_every * self.s.learners
+        args = atoll_command(
+            "learner",
+            *self._security(name),
+            *model_args,
+            "--eval-every",
+            str(turns),
+            "--eval-offset",
+            str(i * self.s.eval_every),
+            "--synchronizer",
+            ",".join(order),
+            *(["--route", ",".join(routes)] if routes else []),
+            "--id",
+            name,
+            "--job",
+            self.s.job,
+            "--steps",
+            str(self.job_steps or self.s.steps),  # with a budget, only a cap
+            "--lr-horizon-steps",
+            str(self.s.steps),
+            "--compile-cache",
+            str(self.s.compile_cache or default_compile_cache()),
+            *self._tape_args,
+            "--shard",
+            str(i),
+            "--num-shards",
+            str(self.slots_ever),
+            "--speed",
+            str(self.s.speeds[i] if i < len(self.s.speeds) else 1.0),
+            "--batch-size",
+            str(self.batch_size(i)),
+            "--state-dir",
+            str(self.workdir / "state"),
+            "--report",
+            str(self.summary_path(name, 1)),
+            "--linger-s",
+            str(LINGER_S),
+            "--max-backoff-s",
+            "2",
+            "--log-every",
+            str(self.s.log_every),
+            *self.metrics_args(name),
+        )
+        env = child_env(self.s.threads, self.devices(i), accelerators=True)
+        return Child(name, args, self.workdir / f"{name}.log", env)
 
     def devices(self, learner: int) -> dict[str, str]:
         """Learner i's GPUs with --gpus-per-learner; without it every learner sees every
         device, so none may take most of a GPU's memory up front."""
         if self.s.gpus_per_learner:
             return gpu_pinning(learner, self.s.gpus_per_learner)
-        return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if self.s.learners > 1 else {}
+        return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if self.slots_ever > 1 else {}
+
+    # --- scaling --------------------------------------------------------------------------
+    def plan_scaling(self) -> None:
+        self.scale_plan = parse_scale(self.s.scale) if self.s.scale else []
+        self.slots_ever = slots_ever(self.s.learners, self.scale_plan)
+
+    def active(self) -> list[Child]:
+        """Learner slots in the job now (not the ones that left it)."""
+        return [c for c in self.learners if c.name not in self.slot_ended]
+
+    def scale_to(self, learners: int) -> None:
+        """Grow with new slots (numbered on), or let the newest slots leave: SIGTERM, after
+        which each does its final sync, ends its session and exits; not a fault."""
+        active = self.active()
+        for _ in range(learners - len(active)):
+            child = self.learner_child(len(self.learners))
+            self.learners.append(child)
+            self._launch(child)
+        for child in active[learners:]:
+            self.slot_ended[child.name] = time.time()
+            self._down.discard(child.name)  # a dead slot leaving is not brought back
+            self._later = [x for x in self._later if x[2] is not child]
+            child.signal(signal.SIGCONT)
+            child.signal(signal.SIGTERM)
+            self.tape.write("left", learner=child.name)
+        self.tape.write("scaled", learners=learners)
+        self.write_targets()
+
+    # --- metrics --------------------------------------------------------------------------
+    def provisioned(self) -> dict[str, float]:
+        """Each learner slot's provisioned seconds: from its first launch to its own end (it
+        left the job) or training's end, dead and restarting time included."""
+        return slot_seconds(self.slot_started, self.slot_ended, self.training_ended or time.time())
+
+    def serve_metrics(self) -> None:
+        """--metrics: `atoll up` exports every slot's provisioned seconds on its own port."""
+        if not self.s.metrics:
+            return
+        tm.SLOT_PROVISIONED.source = lambda: {(k,): v for k, v in self.provisioned().items()}
+        server, _ = tm.serve_metrics("tool", "127.0.0.1:0")
+        self.tool_metrics_port = server.server_port
+
+    def metrics_args(self, slot: str) -> list[str]:
+        """A learner's /metrics on a port its slot keeps across restarts; its provisioned
+        time is exported here, not by the learner (a dead learner exports nothing)."""
+        if not self.s.metrics:
+            return []
+        port = self.learner_metrics.setdefault(slot, free_port())
+        return ["--metrics-listen", f"127.0.0.1:{port}", "--no-export-provisioned"]
+
+    @property
+    def targets_path(self) -> Path:
+        return self.s.metrics_targets or self.workdir / "prometheus-targets.json"
+
+    def write_targets(self) -> None:
+        if not self.s.metrics:
+            return
+        targets = [Target(f"127.0.0.1:{self.tool_metrics_port}", "cluster")]
+        targets += [
+            Target(f"127.0.0.1:{s.metrics_port}", "synchronizer", s.name)
+            for s in self.synchronizers
+        ]
+        targets += [
+            Target(f"127.0.0.1:{self.learner_metrics[c.name]}", "learner", c.name)
+            for c in self.learners
+            if c.name in self.learner_metrics and c.name not in self.slot_ended
+        ]
+        write_file_sd(self.targets_path, targets)
 
     def batch_sizes(self) -> list[int]:
         """Each learner's batch size: --batch-sizes, or --batch-size for all."""
         return self.s.batch_sizes or [self.s.batch_size] * self.s.learners
 
-    def summary_path(self, name: str) -> Path:
-        return self.workdir / f"{name}.summary.json"
+    def batch_size(self, i: int) -> int:
+        """Slot i's batch size (a slot added by --scale: --batch-size)."""
+        return self.s.batch_sizes[i] if i < len(self.s.batch_sizes) else self.s.batch_size
+
+    def summary_path(self, name: str, launch: int) -> Path:
+        """Where the slot's `launch`th incarnation writes its summary (`read_summaries`)."""
+        return self.workdir / f"{name}.{launch}.summary.json"
 
     # --- watch ----------------------------------------------------------------------------
     def client(self) -> Any:
@@ -338,6 +436,7 @@ class LocalCluster:
                 and c.process.returncode != 0
                 and c.name not in self._down
                 and c.name not in self._ended_dead
+                and c.name not in self.slot_ended  # it left the job (--scale)
                 # Told to stop at the end: a SIGTERM that lands while Python is already
                 # shutting down ends the process by the signal. Its work is done.
                 and not (c.name in self._told_to_stop and c.process.returncode == -signal.SIGTERM)
@@ -363,12 +462,14 @@ class LocalCluster:
         """Every learner has finished; or the job's step budget is spent, every live learner
         has finished, and the others are dead. Those are not brought back to send their last
         few steps (the live ones would idle while they come back): their slots end dead."""
-        if state.learners_done + len(self._ended_dead) >= self.s.learners:
+        slots = {c.name for c in self.active()}
+        done = sum(1 for n, f in state.learners.items() if n in slots and f.get("done") == "1")
+        if done + len(self._ended_dead) >= len(slots):
             return True
-        if not self.job_steps or not state.learners_done:
+        if not self.job_steps or not done:
             return False
-        dead = [c for c in self.learners if c.name in self._down]
-        if state.learners_done + len(self._ended_dead) + len(dead) < self.s.learners:
+        dead = [c for c in self.active() if c.name in self._down]
+        if done + len(self._ended_dead) + len(dead) < len(slots):
             return False
         for c in dead:
             self._down.discard(c.name)
@@ -389,33 +490,33 @@ class LocalCluster:
     # --- report ---------------------------------------------------------------------------
     def report(self, state: ClusterState) -> dict[str, Any]:
         r = self.client()
-        summaries = [
-            json.loads(self.summary_path(c.name).read_text())
-            for c in self.learners
-            if self.summary_path(c.name).exists()
-        ]
+        # A slot whose last incarnation was killed left only a partial summary: its steps
+        # are counted below as the synchronizer heard them, and it holds no final model.
+        summaries = [s for s in read_summaries(self.workdir) if not s.get("partial")]
         logs = [inspect.commit_log(r, self.s.job, p) for p in range(self.s.fragments)]
         global_sums = inspect.global_checksums(
             r, self.s.job, self.s.fragments, str(self.workdir / "tensors")
         )
-        end = self.training_ended or time.time()
         self._close_tape(r, logs)
         invariants = check_invariants(
             logs,
             state.versions,
             accepted=int(state.stats.get("updates_accepted", 0)),
             pending=state.pending,
-            learner_checksums={s["learner"]: s["checksums"] for s in summaries},
+            learner_checksums={
+                s["learner"]: s["checksums"]
+                for s in summaries
+                if s["learner"] not in self.slot_ended
+            },
             global_checksums=global_sums,
         )
         evals = [s["eval_loss"] for s in summaries if s["eval_loss"] is not None]
         # A slot that ended dead wrote no summary: count its steps as the synchronizer last
         # heard them (each slot's newest step count, from its heartbeats).
         heard = inspect.slot_steps(r, self.s.job)
-        batches = self.batch_sizes()
         reported = {s["learner"] for s in summaries}
         unreported = {
-            c.name: (heard.get(c.name, 0), batches[i] * self.s.context)
+            c.name: (heard.get(c.name, 0), self.batch_size(i) * self.s.context)
             for i, c in enumerate(self.learners)
             if c.name not in reported
         }
@@ -424,7 +525,7 @@ class LocalCluster:
             summaries=summaries,
             stats=state.stats,
             wall_seconds=time.time() - self.started,
-            provisioned_seconds=provisioned_seconds(self.slot_started, end),
+            provisioned_seconds=sum(self.provisioned().values()),
             invariants=invariants,
             eval_loss=min(evals) if evals else math.nan,
             faults=self.injected,
@@ -479,9 +580,12 @@ def run(settings: UpSettings) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     view = LiveView(settings.live and sys.stdout.isatty(), workdir)
+    if settings.metrics:
+        print(f"atoll up: Prometheus file_sd targets in {cluster.targets_path}", flush=True)
     try:
         with view:
             cluster.plan_faults()
+            cluster.plan_scaling()
             cluster.start()
             state = cluster.wait(view)
         report = cluster.report(state)
@@ -505,18 +609,14 @@ def run(settings: UpSettings) -> int:
     finally:
         cluster.stop()
     view.final(report)
-    if settings.report is not None:
-        settings.report.parent.mkdir(parents=True, exist_ok=True)
-        settings.report.write_text(json.dumps(report, indent=2) + "\n")
     if settings.plot is not None:
         from cluster.plot import plot_losses
 
-        plot_losses(
-            [
-                json.loads(cluster.summary_path(c.name).read_text())
-                for c in cluster.learners
-                if cluster.summary_path(c.name).exists()
-            ],
-            settings.plot,
-        )
+        plot_losses(read_summaries(workdir), settings.plot)
+    if settings.workdir is None and not settings.keep:  # a failed run keeps its logs
+        shutil.rmtree(workdir, ignore_errors=True)
+        print(f"atoll up: removed {workdir} (--keep keeps it)", flush=True)
+    if settings.report is not None:
+        settings.report.parent.mkdir(parents=True, exist_ok=True)
+        settings.report.write_text(json.dumps(report, indent=2) + "\n")
     return 0 if report["invariants"]["ok"] else 3

@@ -15,7 +15,7 @@ from rich.table import Table
 from cluster.settings import UpSettings
 from learner.model import TransformerConfig
 from services.bandwidth import dp_equivalent_bytes
-from services.goodput import goodput, provisioned_seconds
+from services.goodput import goodput
 from synchronizer import inspect
 
 PLAIN_EVERY_S = 10.0
@@ -94,9 +94,7 @@ class LiveView:
         ).parameters
         steps = sum(int(float(f.get("step", 0))) for f in state.learners.values())
         dp = dp_equivalent_bytes(params, settings.learners, steps)
-        provisioned = provisioned_seconds(
-            cluster.slot_started, cluster.training_ended or time.time()
-        )
+        provisioned = sum(cluster.provisioned().values())
         good = goodput(state.stats.get("useful_seconds", 0.0), provisioned)
         reduction = f"{dp / (up + down):.0f}x" if up + down and dp else "-"
         evals = [
@@ -106,7 +104,7 @@ class LiveView:
         ]
         summary = (
             f"t={state.elapsed:6.1f}s  versions={state.versions}  "
-            f"eval={min(evals) if evals else float('nan'):.3f}  goodput={good:.2f}  "
+            f"eval {f'{min(evals):.3f}' if evals else '-'}  goodput={good:.2f}  "
             f"up={up / 1e6:.1f}MB down={down / 1e6:.1f}MB  vs data-parallel: {reduction} less"
         )
         if self._live is not None:

@@ -42,6 +42,9 @@ WARM_STEPS = 5  # steps before the steady training rate is measured
 CHECKPOINT_SHARE = 0.03
 
 
+PROGRESS_EVERY_S = 2.0  # how often a learner rewrites its partial summary
+
+
 @dataclass
 class Timeline:
     started: float = field(default_factory=time.time)
@@ -95,6 +98,7 @@ class InnerLoop:
         self._last_checkpoint = -math.inf  # when it was taken (monotonic)
         self._checkpoint_cost: float | None = None  # how long the last one took to write
         self._position_saved = time.monotonic()
+        self._progress_written = 0.0
         self.tx = workload.optimizer if workload.optimizer is not None else adamw(settings)
         devices = jax.devices()
         if settings.batch_size % len(devices):
@@ -247,6 +251,7 @@ class InnerLoop:
         done = self.step - 1  # the step in flight now is not done yet
         if done % max(1, self.settings.log_every) == 0 or done == 1:
             self.timeline.losses.append((self.timeline.now(), done, self.tokens, self.loss))
+            self._write_progress()
         self.tape.write("step", step=done, seconds=round(seconds, 6))
 
     def _maybe_checkpoint(self, params: Any, opt_state: Any) -> None:
@@ -292,6 +297,33 @@ class InnerLoop:
     def _badput(self, source: str, seconds: float) -> None:
         self.timeline.badput[source] += seconds
         tm.BADPUT_SECONDS.labels(source=source).inc(seconds)
+
+    def _write_progress(self) -> None:
+        """This incarnation's summary so far, at --report, marked `partial`: a killed
+        incarnation leaves its losses behind for the run's summary and plot (the final
+        summary replaces it)."""
+        if self.settings.report is None:
+            return
+        if time.monotonic() - self._progress_written < PROGRESS_EVERY_S:
+            return  # the file grows with the run: rewrite it now and then, not every point
+        self._progress_written = time.monotonic()
+        progress = {
+            "learner": self.settings.id,
+            "incarnation": self.incarnation,
+            "partial": True,
+            "steps": self.step,
+            "tokens": self.tokens,
+            "started_at": self.timeline.started,
+            "loss": {"initial": self.timeline.losses[0][3], "final": self.loss},
+            "eval_loss": self.eval_loss,
+            "losses": self.timeline.losses,
+            "evals": self.timeline.evals,
+        }
+        path = self.settings.report
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(progress))
+        tmp.replace(path)
 
     def summary(self, params: Any) -> dict[str, Any]:
         synced = self.sync.summary(params) if self.sync is not None else {}

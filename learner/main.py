@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import structlog
@@ -51,12 +52,19 @@ def run(settings: LearnerSettings) -> None:
     from learner import workload
     from learner.trainer import Learner, install_stop_handler, write_report
 
+    if not settings.export_provisioned:
+        tm.GOODPUT.supervised()
     if settings.metrics_listen:
         tm.serve_metrics("learner", settings.metrics_listen)
+    from learner.client import SessionError
+
     learner = Learner(settings, workload.load(settings))
     install_stop_handler(learner)
     try:
         summary = learner.run()
+    except SessionError as err:  # its message says what to do; a traceback would bury it
+        print(f"atoll learner: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         learner.close()
     log.info(

@@ -128,6 +128,11 @@ class LearnerSettings(ModelConfig, AtollSettings):
     )
     heartbeat_s: float = Field(1.0, gt=0.0, description="seconds between heartbeats")
     metrics_listen: str = Field("", description="HOST:PORT for /metrics; empty: none")
+    export_provisioned: bool = Field(
+        True,
+        description="export this process's atoll_provisioned_seconds_total; `atoll up "
+        "--metrics` turns it off and exports each slot's time itself, dead time included",
+    )
     max_backoff_s: float = Field(5.0, gt=0.0, description="cap of the reconnect backoff")
     report: Path | None = Field(None, description="write this learner's summary JSON here")
     log_every: int = Field(10, ge=1, description="steps between loss points in the summary")

@@ -115,7 +115,6 @@ class SyncEngine:
         self._last_call = time.monotonic()
         self._last_heartbeat = 0.0
         self._reconnects_seen = 0
-        self._provisioned_until = time.monotonic()
         self.pending_acks: dict[int, tuple[int, float]] = {}  # seq -> (fragment, compute s)
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-encode")
         self._encoding: list[Future[tuple[int, int, float]]] = []
@@ -402,7 +401,7 @@ class SyncEngine:
             status = session_pb2.AckStatus.Name(ack.status).removeprefix("ACK_STATUS_").lower()
             self.tape.write("acked", uid=self._uid(seq), fragment=p, status=status)
             if ack.status in (session_pb2.ACK_STATUS_COMMITTED, session_pb2.ACK_STATUS_DUPLICATE):
-                tm.GOODPUT_SECONDS.inc(compute / self.fragments)
+                tm.GOODPUT.credit(compute / self.fragments)
                 continue
             log.warning("update_refused", fragment=p, reason=ack.reason)
             self.add_badput("lost", compute / self.fragments)
@@ -451,9 +450,6 @@ class SyncEngine:
         if self.client.stats.reconnects != self._reconnects_seen:
             self._reconnects_seen = self.client.stats.reconnects
             self.tape.write("reconnected", reconnects=self._reconnects_seen)
-        now = time.monotonic()
-        tm.PROVISIONED_SECONDS.inc(now - self._provisioned_until)
-        self._provisioned_until = now
         elapsed = max(1e-9, time.time() - self._started)
         self.client.heartbeat(
             step=self.step,
@@ -498,6 +494,7 @@ class SyncEngine:
                 self._wait_for(p, source="waiting")
             self._drain_acks()
             self.heartbeat(done=True)
+            tm.GOODPUT.end()
             linger_until = time.monotonic() + self.settings.linger_s
             while time.monotonic() < linger_until and not self.stop_requested.is_set():
                 self._apply_arrivals(timeout=0.2)

@@ -15,6 +15,7 @@ from learner.loop import InnerLoop
 from learner.settings import LearnerSettings
 from learner.sync import SyncEngine
 from learner.workload import Workload
+from services import telemetry as tm
 from services.tape import Tape
 
 log = structlog.get_logger("atoll.learner")
@@ -52,6 +53,7 @@ def install_stop_handler(learner: Learner) -> None:
     def handler(signum: int, _: Any) -> None:
         log.info("stop_requested", signal=signal.Signals(signum).name)
         learner.stop_requested.set()
+        tm.GOODPUT.end()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)

@@ -5,14 +5,16 @@ by `ATOLL_CONFIG` all map onto it, in that order of precedence (flags win).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import (
     BaseSettings,
+    CliSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -143,10 +145,33 @@ class JobConfig(BaseModel):
     )
 
 
+# How `--help` shows flags: no `null` among a type's choices, no JSON, plain defaults.
+CLI_HELP = SettingsConfigDict(cli_hide_none_type=True, cli_avoid_json=True)
+
+
+class HelpFormat(CliSettingsSource[Any]):
+    """`--help` in a user's words: `PATH` for a path, `X,...` for a list of X, a list's
+    empty default as `(default: none)`; a computed default is left to the description."""
+
+    def _metavar_format(self, obj: Any) -> str:
+        text = super()._metavar_format(obj)
+        for name, shown in (("Path", "PATH"), ("{PATH,null}", "PATH")):
+            text = text.replace(name, shown)
+        if text.startswith("list[") and text.endswith("]"):
+            return f"{text[5:-1]},..."
+        return text
+
+    def _help_format(self, *args: Any, **kwargs: Any) -> str:
+        text: str = super()._help_format(*args, **kwargs)
+        text = text.replace("(default factory: list)", "(default: none)")
+        return re.sub(r" ?\(default factory: [^)]*\)", "", text)  # the description says
+
+
 class AtollSettings(BaseSettings):
     """Base of every command's settings: env vars `ATOLL_<FLAG>`, file `$ATOLL_CONFIG`."""
 
     model_config = SettingsConfigDict(
+        **CLI_HELP,
         env_prefix="ATOLL_",
         cli_kebab_case=True,
         cli_implicit_flags=True,

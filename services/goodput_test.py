@@ -33,3 +33,18 @@ def test_a_tape_cut_short_ends_at_its_last_event() -> None:
 
 def test_no_provisioned_time_is_zero_goodput() -> None:
     assert gp.goodput(5.0, 0.0) == 0.0
+
+
+def test_slot_seconds_end_each_slot_at_its_own_end() -> None:
+    starts = {"a": 0.0, "b": 10.0, "c": 50.0}
+    assert gp.slot_seconds(starts, {"b": 30.0}, now=40.0) == {"a": 40.0, "b": 20.0, "c": 0.0}
+
+
+def test_release_never_outpaces_wall_time() -> None:
+    r = gp.Release(since=0.0)
+    r.credit(5.0)  # one acknowledged update: five seconds of compute at once
+    assert r.release(2.0) == 2.0
+    assert r.release(2.5) == 2.5
+    r.credit(1.0)
+    assert r.release(10.0) == 6.0  # all of it, once enough wall time has passed
+    assert r.backlog == 0.0

@@ -11,8 +11,11 @@ listen)` serves one.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 from wsgiref.simple_server import WSGIServer
 
@@ -27,7 +30,10 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from services.goodput import Release
 from services.grpcopts import split_hostport
 
 REJECT_REASONS = (
@@ -168,21 +174,16 @@ LEARNER_BYTES = Counter(
     ["direction"],
     registry=_L,
 )
-GOODPUT_SECONDS = Counter(
-    "atoll_goodput_seconds_total",
-    "Inner-step compute seconds whose outer gradient was merged",
-    registry=_L,
-)
+GOODPUT_HELP = "Inner-step compute seconds whose outer gradient was merged"
 BADPUT_SECONDS = Counter(
     "atoll_badput_seconds_total",
     "Learner seconds that did not become merged progress",
     ["source"],
     registry=_L,
 )
-PROVISIONED_SECONDS = Counter(
-    "atoll_provisioned_seconds_total",
-    "Wall seconds this learner slot was provisioned",
-    registry=_L,
+PROVISIONED_HELP = (
+    "Wall seconds a learner slot was provisioned, dead and restarting time included where "
+    "the exporter can see it"
 )
 LEARNER_PARAMETERS = Gauge(
     "atoll_learner_parameters",
@@ -193,6 +194,89 @@ LEARNER_PARAMETERS = Gauge(
 REJOINS = Counter(
     "atoll_learner_rejoins_total", "Times this learner (re)joined a synchronizer", registry=_L
 )
+
+USEFUL_SECONDS = Counter(
+    "atoll_useful_seconds_total",
+    "Useful learner seconds of the merges this replica committed (the run report's "
+    "useful_seconds; credited at commit)",
+    registry=_S,
+)
+
+
+class _ReadAtScrape(Collector):
+    """A counter whose values are read when Prometheus scrapes (time that accrues)."""
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self.source: Callable[[], Mapping[tuple[str, ...], float]] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for values, seconds in self.source().items():
+            family.add_metric(list(values), seconds)
+        yield family
+
+
+class LearnerGoodput:
+    """This learner's useful seconds (credited when an update is acknowledged as merged,
+    released as they accrue: `Release`) and, unless a supervisor exports its slot's time,
+    its provisioned seconds since the process started."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._useful = Release(since=time.monotonic())
+        self._ended = False
+        self._started = time.monotonic() - _process_age()
+        self.goodput = _ReadAtScrape("atoll_goodput_seconds", GOODPUT_HELP)
+        self.goodput.source = self._useful_seconds
+        self.provisioned = _ReadAtScrape("atoll_provisioned_seconds", PROVISIONED_HELP)
+        self.provisioned.source = lambda: {(): time.monotonic() - self._started}
+        LEARNER.register(self.goodput)
+        LEARNER.register(self.provisioned)
+
+    def credit(self, seconds: float) -> None:
+        with self._lock:
+            self._useful.credit(seconds)
+
+    def _useful_seconds(self) -> dict[tuple[str, ...], float]:
+        with self._lock:
+            if self._ended:
+                return {(): self._useful.released}
+            return {(): self._useful.release(time.monotonic())}
+
+    def end(self) -> None:
+        """This learner's training is over (done, or told to stop): release no more. Its
+        provisioned time may stop counting now (`atoll up` ends a slot's at training's end
+        or when it is told to leave), and useful time released after it would read as
+        goodput above 1; what is left unreleased is at most one update's compute. No lock:
+        a signal handler calls it, maybe while this thread holds the lock."""
+        self._ended = True
+
+    def supervised(self) -> None:
+        """A supervisor (`atoll up --metrics`) exports this slot's provisioned time, dead
+        and restarting time included: this process exports none, so it is not counted twice."""
+        self.provisioned.source = None
+
+
+def _process_age() -> float:
+    """Seconds since this process started (its launch, not its first import of atoll)."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            ticks = float(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+GOODPUT = LearnerGoodput()
+# `atoll up --metrics`: every learner slot's provisioned seconds, from its first launch to its
+# own end, dead and restarting time included (the cluster sets the source).
+SLOT_PROVISIONED = _ReadAtScrape("atoll_provisioned_seconds", PROVISIONED_HELP, ("slot",))
+TOOL.register(SLOT_PROVISIONED)
 
 for _reason in REJECT_REASONS:
     UPDATES_REJECTED.labels(reason=_reason)

@@ -6,9 +6,10 @@ Three modes, one failure model (`sim.model.FailureModel`), one goodput definitio
 - `dp`: data-parallel without elasticity. Any interruption stops the whole job: after
   detection, the failed slice is replaced and every chip restarts from the last checkpoint
   (work since it is lost). Interruptions during a restart are absorbed by it.
-- `elastic_dp`: the job shrinks around a failed slice (detection, then a re-shard pause;
-  the step in progress is lost) and grows back (another re-shard) once the slice is
-  replaced; in between it runs on fewer chips.
+- `elastic_dp`: a failed slice stalls the job until detected; one re-shard (taking in
+  every failure that comes while the job is stalled) re-forms it on fewer slices, losing
+  the step in flight. Replaced slices join at the next re-shard, or at one of their own
+  once waiting has cost as much as a re-shard; in between the job runs on fewer chips.
 - `decoupled`: M learners of chips/M chips each and a synchronizer. An interruption stops
   only its learner: after detection and the slice's replacement the learner rejoins,
   fetching the global model (no checkpoint reload), and loses its progress since its last
@@ -110,42 +111,78 @@ def simulate_dp(m: FailureModel, chips: int, seed: int) -> Result:
 
 
 def simulate_elastic_dp(m: FailureModel, chips: int, seed: int) -> Result:
+    """Elastic data-parallel as elastic training systems run it (docs/simulator.md):
+
+    - A failed slice stalls the job's collectives until it is detected; then one re-shard
+      re-forms the job on the slices left. Failures that come while the job is stalled or
+      re-sharding are taken in by that re-shard: concurrent failures share one.
+    - The step in flight when the job stalls is lost; state is replicated in memory, so
+      nothing before it is.
+    - A replaced slice loads the model from a peer while the job trains, then waits as a
+      spare. Spares join at the job's next re-shard (a failure's, which costs them nothing
+      more); if none comes, they get a re-shard of their own once the capacity they have
+      waited out equals one re-shard of the whole job (break-even: growing sooner pauses
+      more than it gains, later loses more than the pause).
+    """
     rng = random.Random(seed)
     slice_chips = min(m.slice_chips, chips)
     slices = max(1, chips // slice_chips)
-    events = [(at, "fail") for at in _poisson_times(rng, m.failure_rate(chips), 0.0, m.horizon_s)]
-    heapq.heapify(events)
-    t = paused_until = m.startup_s
-    out = 0  # slices missing now
-    useful = paused = 0.0
-    counts = {"interruptions": 0, "reshards": 0}
+    failures = _poisson_times(rng, m.failure_rate(chips), 0.0, m.horizon_s)
+    replaced: list[float] = []  # when each failed slice is back, its state loaded
+    t = paused_until = reshard_starts = m.startup_s
+    out = spares = 0  # slices not in the job; of them, replaced ones waiting to join
+    useful = paused = waited = 0.0  # waited: job-seconds of capacity spares have waited
+    counts = {"interruptions": 0, "reshards": 0, "grow_reshards": 0}
 
     def advance(until: float) -> None:
-        nonlocal t, useful, paused
+        nonlocal t, useful, paused, waited
         start = min(max(t, paused_until), until)
         paused += start - t if t >= m.startup_s else 0.0
-        useful += (until - start) * (slices - min(out, slices)) / slices
+        useful += (until - start) * (slices - out) / slices
+        waited += (until - start) * spares / slices
         t = until
 
-    while events:
-        at, kind = heapq.heappop(events)
+    def reshard(at: float) -> None:
+        """A re-shard starting at `at`: spares join it."""
+        nonlocal paused_until, reshard_starts, out, spares, waited
+        reshard_starts, paused_until = at, at + m.reshard_s
+        out, spares, waited = out - spares, 0, 0.0
+        counts["reshards"] += 1
+
+    i = 0
+    while True:
+        grow_at = math.inf
+        if spares:
+            grow_at = max(t, paused_until) + (m.reshard_s - waited) * slices / spares
+        at = min(
+            failures[i] if i < len(failures) else math.inf,
+            replaced[0] if replaced else math.inf,
+            grow_at,
+            m.horizon_s,
+        )
+        advance(max(at, t))
         if at >= m.horizon_s:
             break
-        advance(max(at, t))
-        if kind == "fail":
+        if i < len(failures) and at == failures[i]:
+            i += 1
             counts["interruptions"] += 1
+            if at < m.startup_s:
+                continue  # the start-up schedules around it
             out += 1
-            if at >= paused_until:  # a new pause; one already under way takes this one in
-                useful -= min(m.step_s, max(0.0, at - m.startup_s))  # the lost step
+            heapq.heappush(replaced, at + m.detect_s + m.replace_s)
+            if at >= paused_until:  # the job stalls now; a stall under way takes this one in
+                useful -= min(m.step_s, at - m.startup_s)  # the step in flight
+                reshard(at + m.detect_s)
                 paused_until = at + m.detect_s + m.reshard_s
-                counts["reshards"] += 1
-            heapq.heappush(events, (at + m.detect_s + m.replace_s, "back"))
-        else:  # the replaced slice joins: the job grows back (in a re-shard under way, if any)
-            out -= 1
-            if at >= paused_until:
-                paused_until = at + m.reshard_s
-                counts["reshards"] += 1
-    advance(m.horizon_s)
+        elif replaced and at == replaced[0]:
+            heapq.heappop(replaced)
+            if at <= reshard_starts:
+                out -= 1  # back before the re-shard under way starts: it joins that one
+            else:
+                spares += 1
+        else:
+            counts["grow_reshards"] += 1
+            reshard(at)
     pace = _pace(m, chips)
     return Result(
         "elastic_dp",

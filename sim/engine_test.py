@@ -60,3 +60,14 @@ def test_the_table_has_every_mode_at_every_scale() -> None:
     for values in result["goodput"].values():
         assert len(values) == len(CHIPS)
         assert all(0.0 < v <= 1.0 for v in values)
+
+
+def test_elastic_failures_share_re_shards_and_spares_ride_on_them() -> None:
+    big = simulate(SHORT, "elastic_dp", 1_200_000)
+    # Failures while the job is stalled or re-sharding join that re-shard.
+    assert big.events["reshards"] < big.events["interruptions"]
+    # With a failure every few seconds, replaced slices always join a failure's re-shard.
+    assert big.events["grow_reshards"] == 0
+    # A small job whose spare is an eighth of it waits until waiting costs a re-shard.
+    small = simulate(SHORT.with_changes(chip_mtbi_years=0.01), "elastic_dp", 2048)
+    assert small.events["grow_reshards"] > 0

@@ -510,6 +510,7 @@ class FragmentOwner:
             await self.tensors.delete([value_name, delta_name, *state_names])
             raise OwnerLost(f"fragment {p}: commit refused ({status})")
         self.version = version
+        tm.USEFUL_SECONDS.inc(useful)
         seconds = time.monotonic() - started
         self.t_sync_s = (
             seconds if not self.t_sync_s else T_SYNC_DECAY * self.t_sync_s + 0.2 * seconds

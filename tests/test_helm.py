@@ -188,6 +188,11 @@ def test_the_documented_commands_do_what_the_docs_say() -> None:
     assert pool["kind"] == "StatefulSet"
     assert pool["spec"]["replicas"] == 4
     assert "--num-shards=4" in pool["spec"]["template"]["spec"]["containers"][0]["args"]
+    for replicas in (6, 3):  # the pool scaled while the job runs, its shards unchanged
+        scaled = next(v for t, v in rendered.items() if f"us-central.replicas={replicas}'" in t)
+        home = next(d for d in scaled if d["metadata"]["name"] == "atoll-learner-us-central")
+        assert home["spec"]["replicas"] == replicas
+        assert "--num-shards=16" in home["spec"]["template"]["spec"]["containers"][0]["args"]
     grown = next(docs for text, docs in rendered.items() if "eu-west.replicas=12" in text)
     eu = next(d for d in grown if d["kind"] == "StatefulSet")
     assert eu["metadata"]["name"] == "atoll-eu-learner-eu-west"

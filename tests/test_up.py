@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -93,7 +94,7 @@ def test_decoupled_run_trains_commits_and_ends_on_the_global_model(tmp_path: Pat
     assert missing_keys(report) == []
     assert report["invariants"]["ok"], report["invariants"]  # type: ignore[index]
     log_dir = tmp_path / "w"
-    versions = json.loads((log_dir / "learner-0.summary.json").read_text())["versions"]
+    versions = json.loads((log_dir / "learner-0.1.summary.json").read_text())["versions"]
     assert min(versions) >= steps // h - 1
     loss = report["loss"]
     assert loss["final"] < loss["initial"]  # type: ignore[index]
@@ -124,7 +125,7 @@ def test_sync_mode_keeps_every_learner_within_one_fragment_interval(tmp_path: Pa
     )
     timelines = []
     for i in range(2):
-        summary = json.loads((tmp_path / "w" / f"learner-{i}.summary.json").read_text())
+        summary = json.loads((tmp_path / "w" / f"learner-{i}.1.summary.json").read_text())
         t, step = zip(*[(e[0], e[1]) for e in summary["losses"]], strict=True)
         timelines.append((np.array(t) + summary["started_at"], np.array(step)))
     start = max(t[0] for t, _ in timelines)  # once both are training
@@ -184,3 +185,33 @@ def test_a_tls_run_trains_on_mtls_with_invariants_ok(tmp_path: Path) -> None:
     log = (tmp_path / "w" / "synchronizer-0.log").read_text()
     assert '"transport": "mtls"' in log
     assert "learner_joined" in log
+
+
+def test_a_successful_run_removes_its_temporary_folder_unless_kept(tmp_path: Path) -> None:
+    tiny = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "32"]
+    for keep, left in (("--no-keep", 0), ("--keep", 1)):
+        proc = subprocess.run(
+            [
+                *atoll_command("up"),
+                *tiny,
+                "--learners",
+                "2",
+                "--steps",
+                "10",
+                "--inner-steps",
+                "5",
+                "--fragments",
+                "2",
+                "--eval-every",
+                "0",
+                "--eval-batches",
+                "1",
+                keep,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert len(list(tmp_path.glob("atoll-up-*"))) == left, proc.stdout

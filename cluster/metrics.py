@@ -1,0 +1,51 @@
+"""`atoll up --metrics`: every process serves /metrics on a loopback port, listed for
+Prometheus in a file_sd JSON file.
+
+Each target carries stable labels: `slot` (learner-0, synchronizer-1: the same across
+restarts, which come back on the same port), `role` (learner, synchronizer, cluster) and
+`pool` (the learner pool; `main` under `atoll up`). The file is rewritten whenever a process
+is launched, so Prometheus follows restarts and scaling. The `cluster` target is `atoll up`
+itself: it exports `atoll_provisioned_seconds_total{slot}` for every learner slot, dead and
+restarting time included, which a learner cannot export while it is down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+POOL = "main"
+
+
+@dataclass(frozen=True)
+class Target:
+    address: str
+    role: str
+    slot: str = ""
+
+    def as_file_sd(self) -> dict[str, object]:
+        labels = {"role": self.role}
+        if self.slot:
+            labels |= {"slot": self.slot}
+        if self.role == "learner":
+            labels |= {"pool": POOL}
+        return {"targets": [self.address], "labels": labels}
+
+
+def free_port() -> int:
+    """A loopback port free now (a slot keeps it for every incarnation)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_file_sd(path: Path, targets: list[Target]) -> None:
+    """Write atomically: Prometheus re-reads the file when it changes and must never see
+    half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([t.as_file_sd() for t in targets], indent=2) + "\n")
+    os.replace(tmp, path)

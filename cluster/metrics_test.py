@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cluster.metrics import Target, write_file_sd
+
+
+def test_file_sd_gives_every_target_stable_labels(tmp_path: Path) -> None:
+    path = tmp_path / "targets.json"
+    write_file_sd(
+        path,
+        [
+            Target("127.0.0.1:9000", "cluster"),
+            Target("127.0.0.1:9001", "synchronizer", "synchronizer-0"),
+            Target("127.0.0.1:9002", "learner", "learner-0"),
+        ],
+    )
+    groups = json.loads(path.read_text())
+    assert groups == [
+        {"targets": ["127.0.0.1:9000"], "labels": {"role": "cluster"}},
+        {
+            "targets": ["127.0.0.1:9001"],
+            "labels": {"role": "synchronizer", "slot": "synchronizer-0"},
+        },
+        {
+            "targets": ["127.0.0.1:9002"],
+            "labels": {"role": "learner", "slot": "learner-0", "pool": "main"},
+        },
+    ]
+    assert not list(tmp_path.glob("*.tmp"))  # written whole, then moved in place

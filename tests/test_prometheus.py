@@ -1,0 +1,137 @@
+"""A real Prometheus scrapes `atoll up --metrics` through its file_sd targets: it sees every
+learner and replica, and its goodput over the run is the report's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.metrics import free_port
+from cluster.processes import atoll_command
+from tests.test_up import SMALL
+
+PROMETHEUS = shutil.which("prometheus")
+DASHBOARD_GOODPUT = (
+    "sum(rate(atoll_goodput_seconds_total[5s])) / sum(rate(atoll_provisioned_seconds_total[5s]))"
+)
+
+
+def query(port: int, expr: str, at: float) -> list[dict[str, Any]]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode(
+        {"query": expr, "time": at}
+    )
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return list(json.load(reply)["data"]["result"])
+
+
+def query_range(port: int, expr: str, start: float, end: float) -> list[float]:
+    url = f"http://127.0.0.1:{port}/api/v1/query_range?" + urllib.parse.urlencode(
+        {"query": expr, "start": start, "end": end, "step": 1}
+    )
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        result = json.load(reply)["data"]["result"]
+    return [float(v) for series in result for _, v in series["values"]]
+
+
+def scalar(port: int, expr: str, at: float) -> float:
+    result = query(port, expr, at)
+    assert result, f"no data for {expr}"
+    return float(result[0]["value"][1])
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (Debian: prometheus)")
+def test_prometheus_sees_every_process_and_agrees_with_the_report_on_goodput(
+    tmp_path: Path,
+) -> None:
+    assert PROMETHEUS is not None
+    targets = tmp_path / "targets.json"
+    targets.write_text("[]\n")
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: atoll\n"
+        f"    file_sd_configs: [{{files: ['{targets}'], refresh_interval: 1s}}]\n"
+    )
+    port = free_port()
+    prometheus = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "prometheus.log").open("w"),
+    )
+    try:
+        started = time.time()
+        report_path = tmp_path / "r.json"
+        proc = subprocess.run(
+            [
+                *atoll_command("up"),
+                "--workdir",
+                str(tmp_path / "w"),
+                "--report",
+                str(report_path),
+                *SMALL,
+                "--learners",
+                "3",
+                "--synchronizers",
+                "2",
+                "--steps",
+                "300",
+                "--inner-steps",
+                "30",
+                "--fragments",
+                "3",
+                "--chaos",
+                "learner-kill:at=5s,down=3s,victim=1",
+                "--metrics",
+                "--metrics-targets",
+                str(targets),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert str(targets) in proc.stdout
+        report = json.loads(report_path.read_text())
+        end = time.time()
+        time.sleep(1.5)  # let the last scrape land in the database
+        slots = {
+            (r["metric"]["role"], r["metric"].get("slot", ""))
+            for r in query(port, "max_over_time(up[10m])", end)
+        }
+        assert slots == {
+            ("cluster", ""),
+            ("synchronizer", "synchronizer-0"),
+            ("synchronizer", "synchronizer-1"),
+            ("learner", "learner-0"),
+            ("learner", "learner-1"),
+            ("learner", "learner-2"),
+        }
+        useful = scalar(port, "sum(max_over_time(atoll_useful_seconds_total[10m]))", end)
+        provisioned = scalar(port, "sum(max_over_time(atoll_provisioned_seconds_total[10m]))", end)
+        assert abs(useful / provisioned - report["goodput"]) <= 0.01, (
+            useful,
+            provisioned,
+            report["goodput"],
+            report["useful_seconds"],
+            report["provisioned_seconds"],
+        )
+        live = query_range(port, DASHBOARD_GOODPUT, started, end)
+        assert live
+        assert max(live) <= 1.0, max(live)
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)
