@@ -26,8 +26,10 @@ from synchronizer.store import ControlStore
 from synchronizer.tensors import TensorStore
 
 log = structlog.get_logger("atoll.synchronizer.ownership")
-REPLICA_TTL_S = 4.0
-OWNER_TTL_S = 4.0
+# A replica's registration and its fragments' leases lapse this long after its last renewal
+# (every TICK_S): long enough that no stall of a large model's merge or fetch loses them.
+REPLICA_TTL_S = 8.0
+OWNER_TTL_S = 8.0
 TICK_S = 0.5
 
 

@@ -497,7 +497,9 @@ class Sessions:
         if pointer is None:
             raise LookupError(f"fragment {fragment} has no global value yet")
         values = await self.tensors.get(pointer.value)
-        chunks = value_chunks(fragment, pointer.version, values, self.settings.max_chunk_bytes)
+        chunks = await asyncio.to_thread(  # copies the whole value: off the event loop
+            value_chunks, fragment, pointer.version, values, self.settings.max_chunk_bytes
+        )
         if held is not None and chunks[0].header.checksum == held:
             header = fragment_pb2.PayloadHeader()
             header.CopyFrom(chunks[0].header)

@@ -12,6 +12,7 @@ at it, never changes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from pathlib import Path
 from urllib.parse import urlparse
@@ -79,10 +80,14 @@ class TensorStore:
 
     async def get_arrays(self, name: str, size: int) -> list[np.ndarray]:
         """An object written by `put_arrays`, as float32 arrays of `size` values each."""
-        flat = np.frombuffer(await self.get(name), "<f4")
+        data = await self.get(name)
+        flat = np.frombuffer(data, "<f4")
         if size <= 0 or flat.size % size:
             raise TensorStoreError(f"object {name!r} does not hold arrays of {size} values")
-        return [flat[i : i + size].copy() for i in range(0, flat.size, size)]
+        # Copied off the event loop (a large fragment's value is gigabytes).
+        return await asyncio.to_thread(
+            lambda: [flat[i : i + size].copy() for i in range(0, flat.size, size)]
+        )
 
     async def delete(self, names: list[str]) -> None:
         for name in names:
