@@ -15,6 +15,7 @@ version committed).
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 import uuid
@@ -215,6 +216,8 @@ def run(settings: ScaleBench) -> None:
     with tempfile.TemporaryDirectory(prefix="atoll-bench-scale-") as tmp:
         for replicas in counts:
             rows.append(run_replicas(settings, Path(tmp), replicas))
+            # A large model's tensor store is tens of GB: gone before the next count.
+            shutil.rmtree(Path(tmp) / f"r{replicas}", ignore_errors=True)
             print(json.dumps(rows[-1]), flush=True)
     first, last = rows[0], rows[-1]
     efficiency = (

@@ -441,6 +441,16 @@ class SynchronizerClient:
                 # The owner map will move (a new owner) or the owner comes back: wait a bit.
                 self._closed.wait(next(delays))
                 continue
+            if (
+                ack.status == session_pb2.ACK_STATUS_REJECTED
+                and ack.code == grpc.StatusCode.UNAVAILABLE.value[0]
+            ):
+                # The owner could not take it for now (its store is away): again later.
+                log.info("ingest_unavailable", seq=out.seq, reason=ack.reason)
+                with self._lock:
+                    self._sending.discard(out.seq)
+                self._closed.wait(next(delays))
+                continue
             delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
             with self._lock:
                 self._sending.discard(out.seq)

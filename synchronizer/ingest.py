@@ -274,7 +274,19 @@ class Ingest:
         if owner.version is not None:
             ack.status = session_pb2.ACK_STATUS_ALREADY_INITIALIZED
             return ack
-        value, state = await owner.initial_state(values)
+        try:
+            value, state = await owner.initial_state(values)
+        except Exception as err:  # the store is full or away: the learner sends them again
+            log.error("tensor_store_write_failed", fragment=owner.fragment, error=repr(err))
+            return await self._refuse(
+                first,
+                Rejection(
+                    "bad_request",
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the synchronizer cannot write to its tensor store ({type(err).__name__}); "
+                    "it retries: free space there or fix --tensor-store",
+                ),
+            )
         if await self.store.init_fragment(owner.fragment, value, state):
             await owner.load(await self.store.pointer(owner.fragment))
             ack.status = session_pb2.ACK_STATUS_ACCEPTED
