@@ -109,7 +109,7 @@ def _pings(client: redis.Redis) -> bool:
 def synchronizer_container(redis_port: int, port: int) -> DockerContainer:
     return container(
         IMAGE,
-        *synchronizer_args(port, f"redis://127.0.0.1:{redis_port}/0"),
+        *synchronizer_args(port, f"redis://127.0.0.1:{redis_port}/0", "/tmp/atoll-tensors"),
         "--job",
         JOB,
         "--fragments",

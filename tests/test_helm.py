@@ -216,6 +216,7 @@ def test_defaults_give_synchronizers_a_pool_and_redis() -> None:
         "HorizontalPodAutoscaler/atoll-synchronizer",
         "NetworkPolicy/atoll-redis",
         "NetworkPolicy/atoll-synchronizer",
+        "PersistentVolumeClaim/atoll-tensors",
         "PodDisruptionBudget/atoll-learner-main",
         "PodDisruptionBudget/atoll-synchronizer",
         "Secret/atoll-redis",
@@ -231,6 +232,19 @@ def test_defaults_give_synchronizers_a_pool_and_redis() -> None:
     container = sync["spec"]["template"]["spec"]["containers"][0]
     assert container["readinessProbe"]["grpc"]["service"] == "atoll.v1.Synchronizer"
     assert "--redis-url=redis://atoll-redis:6379/0" in container["args"]
+    # Replicas share one tensor store (a ReadWriteMany claim by default) and advertise the
+    # address learners send each owned fragment's updates to.
+    assert "--tensor-store=/var/lib/atoll/tensors" in container["args"]
+    assert "--advertise=$(POD_IP):50051" in container["args"]
+    claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    bucket = render({"tensorStore": {"url": "s3://bucket/atoll"}})
+    sync = next(d for d in bucket if d["kind"] == "Deployment")
+    assert (
+        "--tensor-store=s3://bucket/atoll"
+        in sync["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    assert not [d for d in bucket if d["kind"] == "PersistentVolumeClaim"]
     learner = next(d for d in docs if d["metadata"]["name"] == "atoll-learner-main")
     args = learner["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--synchronizer=dns:///atoll-synchronizer-headless.atoll.svc:50051" in args
