@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -59,9 +60,17 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server child process; `appendonly` turns persistence on (AOF)."""
 
-    def __init__(self, workdir: Path, *, appendonly: bool = False, port: int | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        appendonly: bool = False,
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.workdir = workdir
         self.appendonly = appendonly
+        self.extra_args = list(extra_args)
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -91,6 +100,7 @@ class RedisServer:
             "warning",
             "--logfile",
             str(self.workdir / "redis.log"),
+            *self.extra_args,
         ]
         self.process = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
@@ -127,6 +137,67 @@ class RedisServer:
         return self.start()
 
     def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+class RedisClusterServers:
+    """A Redis Cluster of `nodes` local redis-server processes (`--cluster-enabled yes`),
+    hash slots split evenly between them, joined with CLUSTER MEET."""
+
+    def __init__(self, workdir: Path, nodes: int = 3) -> None:
+        self.servers = [
+            RedisServer(
+                workdir / f"node-{i}",
+                extra_args=[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    str(workdir / f"node-{i}" / "nodes.conf"),
+                    "--cluster-node-timeout",
+                    "2000",
+                ],
+            )
+            for i in range(nodes)
+        ]
+
+    @property
+    def url(self) -> str:
+        """What `--redis-url` takes: any node, the client learns the others."""
+        return f"redis+cluster://127.0.0.1:{self.servers[0].port}"
+
+    def start(self, timeout_s: float = 30.0) -> RedisClusterServers:
+        for server in self.servers:
+            server.start()
+        clients = [redis.Redis(port=s.port) for s in self.servers]
+        try:
+            per = 16384 // len(clients)
+            for i, client in enumerate(clients):
+                end = 16384 if i == len(clients) - 1 else (i + 1) * per
+                client.execute_command("CLUSTER", "ADDSLOTS", *range(i * per, end))  # type: ignore[no-untyped-call]
+            for client in clients[1:]:
+                client.execute_command(  # type: ignore[no-untyped-call]
+                    "CLUSTER", "MEET", "127.0.0.1", self.servers[0].port
+                )
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                infos = [c.execute_command("CLUSTER", "INFO") for c in clients]  # type: ignore[no-untyped-call]
+                if all(b"cluster_state:ok" in i for i in infos):
+                    return self
+                time.sleep(0.1)
+        finally:
+            for client in clients:
+                client.close()
+        self.stop()
+        raise TimeoutError(f"the Redis Cluster did not reach cluster_state:ok in {timeout_s} s")
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> RedisClusterServers:
         return self.start()
 
     def __exit__(self, *_: object) -> None:
