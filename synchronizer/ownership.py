@@ -33,11 +33,22 @@ OWNER_TTL_S = 8.0
 TICK_S = 0.5
 
 
-def rightful_owner(fragment: int, replicas: Sequence[str]) -> str | None:
-    """Rendezvous (highest random weight) hashing: the replica owning `fragment`."""
+def rightful_owners(fragments: int, replicas: Sequence[str]) -> list[str | None]:
+    """Each fragment's owner: rendezvous (highest random weight) hashing with bounded load.
+    A fragment goes to the first replica of its hash ranking that holds fewer than
+    ceil(P/R) fragments, so replicas own near-equal shares however few fragments there are,
+    and a replica coming or going moves few fragments."""
     if not replicas:
-        return None
-    return max(replicas, key=lambda r: (xxhash.xxh3_64_intdigest(f"{r}\x00{fragment}"), r))
+        return [None] * fragments
+    cap = -(-fragments // len(replicas))
+    load = dict.fromkeys(replicas, 0)
+    owners: list[str | None] = []
+    for p in range(fragments):
+        ranking = sorted(replicas, key=lambda r: (xxhash.xxh3_64_intdigest(f"{r}\x00{p}"), r))
+        owner = next(r for r in reversed(ranking) if load[r] < cap)
+        load[owner] += 1
+        owners.append(owner)
+    return owners
 
 
 class Ownership:
@@ -75,9 +86,9 @@ class Ownership:
         layout = self._layout()
         if layout is None:
             return
-        live = sorted(self.replicas)
+        rightful = rightful_owners(layout.num_fragments, sorted(self.replicas))
         for p in range(layout.num_fragments):
-            mine = rightful_owner(p, live) == self.replica
+            mine = rightful[p] == self.replica
             owner = self.owned.get(p)
             if owner is not None:
                 if owner.lost:

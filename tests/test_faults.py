@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.processes import atoll_command
+from synchronizer.ownership import OWNER_TTL_S
 from tests.test_up import up
 
 STEPS, H = 1200, 60
@@ -99,6 +100,23 @@ def test_a_killed_synchronizer_replica_loses_nothing(tmp_path: Path) -> None:
     )
     check(report, 1)
     assert sum(p["reconnects"] for p in report["per_learner"]) >= 1
+    # Every fragment the killed replica owned commits again within a lease and 5 s.
+    tape = report["_tape"]
+    kill = next(e for e in tape if e["kind"] == "killed")
+    owned = {
+        e["fragment"]
+        for e in tape
+        if e["kind"] == "owned" and e["who"] == kill["synchronizer"] and e["t"] < kill["t"]
+    }
+    assert owned, "the killed replica owned no fragment"
+    for p in owned:
+        after = [
+            m["t"]
+            for m in tape
+            if m["kind"] == "merged" and m["fragment"] == p and m["t"] > kill["t"]
+        ]
+        assert after, f"fragment {p} never committed after its owner was killed"
+        assert min(after) - kill["t"] <= OWNER_TTL_S + 5.0, (p, min(after) - kill["t"])
 
 
 def test_redis_restarted_loses_no_committed_version(tmp_path: Path) -> None:
