@@ -160,20 +160,17 @@ def run_anchor(settings: MfuAnchor) -> None:
 
 
 # --- the bench ------------------------------------------------------------------------------
+def _shape_args(layers: int, width: int, heads: int, context: int, batch: int) -> list[str]:
+    """The model's shape and batch, as both the anchor and the learner take them."""
+    shape = {"layers": layers, "width": width, "heads": heads, "context": context}
+    return [a for k, v in {**shape, "batch-size": batch}.items() for a in (f"--{k}", str(v))]
+
+
 def _learner_args(layers: int, width: int, heads: int, context: int, batch: int) -> list[str]:
     return [
         "learner",
         "--insecure",
-        "--layers",
-        str(layers),
-        "--width",
-        str(width),
-        "--heads",
-        str(heads),
-        "--context",
-        str(context),
-        "--batch-size",
-        str(batch),
+        *_shape_args(layers, width, heads, context, batch),
         "--eval-every",
         "0",
         "--log-level",
@@ -210,16 +207,7 @@ def measure(settings: MfuBench, size: str, workdir: Path) -> dict[str, Any]:
         [
             "bench",
             "mfu-anchor",
-            "--layers",
-            str(layers),
-            "--width",
-            str(width),
-            "--heads",
-            str(heads),
-            "--context",
-            str(context),
-            "--batch-size",
-            str(batch),
+            *_shape_args(layers, width, heads, context, batch),
             "--steps",
             str(settings.steps),
             "--json",
