@@ -415,6 +415,7 @@ class SynchronizerClient:
         return None
 
     def _ingest(self) -> None:
+        self._bind_log_context()
         delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
         while not self._closed.is_set():
             with self._lock:
@@ -540,7 +541,14 @@ class SynchronizerClient:
             )
         )
 
+    def _bind_log_context(self) -> None:
+        """This thread's log lines name the learner slot, its incarnation and job."""
+        structlog.contextvars.bind_contextvars(
+            learner=self.learner_id, incarnation=self.incarnation, job=self.job
+        )
+
     def _run(self) -> None:
+        self._bind_log_context()
         delays = backoff_delays(max_s=self.max_backoff_s, initial_s=min(1.0, self.max_backoff_s))
         first = True
         while not self._closed.is_set():

@@ -102,6 +102,10 @@ class SyncEngine:
         ]
         self.tokens_per_step = tokens_per_step
         self.incarnation = uuid.uuid4().hex
+        # The loop's log lines name the slot, this incarnation and the job (bound once).
+        structlog.contextvars.bind_contextvars(
+            learner=settings.id, incarnation=self.incarnation, job=settings.job
+        )
         self.tape = tape if tape is not None else Tape(settings.tape, settings.id)
         self.stop_requested = stop_requested or threading.Event()
         self.badput: dict[str, float] = dict.fromkeys(tm.BADPUT_SOURCES, 0.0)

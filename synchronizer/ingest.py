@@ -106,6 +106,9 @@ class Ingest:
         request_iterator: AsyncIterator[session_pb2.UpdateChunk],
         context: grpc.aio.ServicerContext[session_pb2.UpdateChunk, session_pb2.Ack],
     ) -> session_pb2.Ack:
+        structlog.contextvars.bind_contextvars(
+            learner=first.learner_id, fragment=first.header.fragment, seq=first.seq
+        )
         layout = self._layout()
         try:
             check_update_fields(first)

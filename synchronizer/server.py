@@ -92,6 +92,8 @@ def transport(settings: SynchronizerSettings) -> str:
 
 
 async def serve(settings: SynchronizerSettings) -> None:
+    # Every line this replica logs names it and its job (tasks inherit the context).
+    structlog.contextvars.bind_contextvars(replica=settings.replica_id, job=settings.job)
     problem = settings.transport_problem()
     if problem is not None:
         raise SystemExit(f"atoll synchronizer: {problem}")

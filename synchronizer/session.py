@@ -203,6 +203,8 @@ class Sessions:
         except SessionClosed as closed:
             await context.abort(closed.code, closed.details)
             return
+        # This session's lines (and its reader task's) name the learner once, here.
+        structlog.contextvars.bind_contextvars(learner=conn.learner, incarnation=conn.incarnation)
         key = conn.prefix
         self.connections[key] = conn
         tm.LEARNERS_CONNECTED.set(len(self.connections))
