@@ -14,7 +14,7 @@ def test_a_job_grows_then_shrinks_and_its_newcomers_are_merged(tmp_path: Path) -
         "--learners",
         "2",
         "--steps",
-        "750",
+        "1500",  # the budget lasts well past the leavers' exit, on an idle machine too
         "--inner-steps",
         "10",
         "--fragments",
@@ -22,7 +22,7 @@ def test_a_job_grows_then_shrinks_and_its_newcomers_are_merged(tmp_path: Path) -
         "--quorum",
         "3",
         "--scale",
-        "at=1s,learners=4;at=14s,learners=2",
+        "at=1s,learners=4;at=24s,learners=2",
         "--speeds",  # the first two at half speed leave CPU for the newcomers to start
         "[0.5, 0.5]",
     )
