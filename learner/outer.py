@@ -165,15 +165,18 @@ class OuterState:
         codec: Codec,
         block_size: int,
         keep_progress: bool = True,
+        tensor_sizes: list[tuple[int, ...]] | None = None,
     ) -> OuterState:
+        """`tensor_sizes`: each fragment's tensors, whose norms each update reports."""
+        sizes = tensor_sizes or [() for _ in globals_]
         return cls(
             [
                 FragmentState(
                     value.copy(),
                     version,
-                    ErrorFeedback(codec, block_size),
+                    ErrorFeedback(codec, block_size, tensor_sizes=sizes[p]),
                     keep_progress=keep_progress,
                 )
-                for version, value in globals_
+                for p, (version, value) in enumerate(globals_)
             ]
         )

@@ -184,6 +184,7 @@ class SyncEngine:
             self.codec,
             self.block_size,
             keep_progress=cfg.keep_overlap_progress,
+            tensor_sizes=[tuple(leaf.size for leaf in f.leaves) for f in self.layout.fragments],
         )
         values: dict[str, np.ndarray] = {}
         for g in globals_:
@@ -317,6 +318,7 @@ class SyncEngine:
             seq = self.client.send_update(
                 fragment=p,
                 payload=f.encode(send, theta),
+                tensor_norms=f.feedback.norms,  # radial merging reads them first
                 codec=self.codec.wire,
                 block_size=self.block_size,
                 num_elements=theta.size,

@@ -11,6 +11,7 @@ and each chunk is multiplied by its blocks' scales in place while it is still in
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -468,6 +469,8 @@ class ErrorFeedback:
     block_size: int
     residual: np.ndarray | None = None
     chunk_bytes: int = 1 << 20  # encoded bytes per segment, at most (one wire chunk each)
+    tensor_sizes: tuple[int, ...] = ()  # the fragment's tensors, for `norms`
+    norms: tuple[float, ...] = ()  # each tensor's L2 norm of what the last encoding decodes to
 
     def encode(self, delta: np.ndarray) -> list[Segment]:
         """The delta plus the residual, encoded as segments that decode on their own."""
@@ -476,6 +479,11 @@ class ErrorFeedback:
             self.codec, corrected, self.block_size, self.chunk_bytes
         )
         self.residual = corrected - decoded
+        starts = np.cumsum((0, *(self.tensor_sizes or (decoded.size,))))
+        self.norms = tuple(
+            float(np.linalg.norm(decoded[a:b].astype(np.float64)))
+            for a, b in itertools.pairwise(starts)
+        )
         return segments
 
 

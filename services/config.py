@@ -72,6 +72,12 @@ class JobConfig(BaseModel):
     grace_seconds: float | None = Field(
         None, ge=0.0, description="fixed grace window in seconds; unset: adaptive (Eq. 3)"
     )
+    max_grace_seconds: float = Field(
+        30.0,
+        gt=0.0,
+        description="the adaptive grace window never waits longer than this (a learner "
+        "reporting a very slow step cannot hold every round open)",
+    )
     outer_lr: float = Field(0.7, gt=0.0, description="outer Nesterov SGD learning rate")
     outer_momentum: float = Field(
         0.0,

@@ -24,7 +24,7 @@ from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout
 from synchronizer import auth
 from synchronizer.admission import Rejection, check_chunk, check_header, check_update_fields
-from synchronizer.owner import FragmentOwner, NormTooLarge, Update
+from synchronizer.owner import FragmentOwner, NormTooLarge, RoundBusy, Update
 from synchronizer.ownership import Ownership
 from synchronizer.store import ControlStore
 
@@ -201,6 +201,10 @@ class Ingest:
             return await self._refuse(
                 first, Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err))
             )
+        except RoundBusy as err:  # retryable: the learner's client sends it again later
+            return await self._refuse(
+                first, Rejection("bad_request", grpc.StatusCode.UNAVAILABLE, str(err))
+            )
         try:
             async for chunk in self._chunks(first, rest):
                 try:
@@ -216,6 +220,10 @@ class Ingest:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "payload checksum mismatch: bytes were corrupted; resend the update",
                 )
+            try:
+                owner.check_norms(update)
+            except NormTooLarge as err:
+                raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         except Rejection as rejection:
             await owner.abandon(update)
             return await self._refuse(first, rejection)

@@ -17,7 +17,6 @@ import math
 import os
 import statistics
 import time
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,9 +52,11 @@ EVALUATE_EVERY_S = 0.1
 T_SYNC_DECAY = 0.8
 # Outer steps of every owned fragment share one pool, a thread per core.
 _STEP_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="atoll-step")
-NORM_HISTORY = 16  # accepted updates' norms an update's norm is bounded against
-NORM_HISTORY_MIN = 3  # fewer: bounded against the fragment's own norm instead
 MAX_WEIGHTED_VALUE = 1e37  # weight x value beyond this would overflow the float32 sum
+
+
+class RoundBusy(ValueError):
+    """The learner already has an update in the open round; it may resend later."""
 
 
 class NormTooLarge(ValueError):
@@ -134,14 +135,15 @@ class FragmentOwner:
             overlap_steps=config.overlap_steps,
             gamma=config.grace_gamma,
             fixed_grace_s=config.grace_seconds,
+            max_grace_s=config.max_grace_seconds,
         )
         self.version: int | None = None  # None: no value yet (the job is not initialized)
         self.theta = np.zeros(0, np.float32)
         self.state: list[np.ndarray] = []
         self.residual = np.zeros(0, np.float32)
         self.theta_norm = 0.0
-        self.recent_norms: deque[float] = deque(maxlen=NORM_HISTORY)
-        self.recent_weights: deque[float] = deque(maxlen=NORM_HISTORY)
+        # Each learner's last accepted update on this fragment: (weight as capped, L2 norm).
+        self.latest: dict[str, tuple[float, float]] = {}
         self.current = self.rule.new(size, self.segments)
         self.members: list[Update] = []  # received into the open round
         self.in_flight: set[Update] = set()  # summing, not received yet
@@ -205,18 +207,30 @@ class FragmentOwner:
         codec: codecs.Codec,
         block_size: int,
     ) -> Update:
+        if any(
+            u.learner == learner and (u.incarnation, u.seq) != (incarnation, seq)
+            for u in (*self.members, *self.in_flight)
+        ):
+            # One update per learner in a round (a learner sends a fragment again only once
+            # its last one merged): more would let one slot fill the round and its history.
+            raise RoundBusy(
+                f"learner {learner!r} already has an update in fragment {self.fragment}'s open "
+                "round; resend once it merges"
+            )
         weight = token_weight(c_tokens, c_steps)
-        if len(self.recent_weights) >= NORM_HISTORY_MIN:
+        others = [w for who, (w, _) in self.latest.items() if who != learner]
+        if others:
             # No update weighs more than --max-weight-share times the median weight of the
-            # fragment's recent updates (its fair share): whatever tokens it claims, it
-            # cannot buy the merge. Known before its first chunk is summed.
-            cap = self.config.max_weight_share * statistics.median(self.recent_weights)
+            # other learners' last updates (its fair share): whatever tokens it claims, it
+            # cannot buy the merge, and its own claims never move the bar. Known before its
+            # first chunk is summed.
+            cap = self.config.max_weight_share * statistics.median(others)
             if weight > cap:
                 log.info("weight_capped", fragment=self.fragment, learner=learner, weight=weight)
                 weight = cap
         if self.version is not None and self.config.staleness_decay != 1.0:
             weight *= staleness_weight(self.version - base_version, self.config.staleness_decay)
-        bound = self.norm_bound()
+        bound = self.norm_bound(learner)
         claimed = math.sqrt(sum(float(n) ** 2 for n in norms))
         if bound is not None and claimed > bound:
             raise NormTooLarge(
@@ -241,17 +255,35 @@ class FragmentOwner:
         self.in_flight.add(update)
         return update
 
-    def norm_bound(self) -> float | None:
+    def norm_bound(self, learner: str) -> float | None:
         """The largest L2 norm an update may have: --max-update-norm-ratio times the median
-        of the fragment's recent accepted updates, or, before there are enough, times the
-        fragment's own norm (an outer gradient is a fraction of the parameters it moves)."""
+        norm of the other learners' last updates (a learner's own never moves its bar); with
+        no other learner yet, times its own last one, or the fragment's own norm (an outer
+        gradient is a fraction of the parameters it moves)."""
         ratio = self.config.max_update_norm_ratio
-        if len(self.recent_norms) >= NORM_HISTORY_MIN:
-            floor = 1e-3 * self.theta_norm  # a few tiny updates cannot shut the others out
-            return ratio * max(statistics.median(self.recent_norms), floor, 1e-12)
+        floor = max(1e-3 * self.theta_norm, 1e-12)  # tiny updates cannot shut the others out
+        others = [n for who, (_, n) in self.latest.items() if who != learner]
+        if others:
+            return ratio * max(statistics.median(others), floor)
+        if learner in self.latest:
+            return ratio * max(self.latest[learner][1], floor)
         if self.theta_norm > 0:
             return ratio * self.theta_norm
         return None
+
+    def check_norms(self, update: Update) -> None:
+        """The per-tensor norms an update claimed (radial merging divides by them) must be
+        the norms of what it sent."""
+        if not self.rule.needs_norms:
+            return
+        claimed = math.sqrt(sum(float(n) ** 2 for n in update.norms))
+        if abs(claimed - update.norm) > 1e-3 * max(claimed, update.norm) + 1e-30 or any(
+            n <= 0.0 for n in update.norms
+        ):
+            raise NormTooLarge(
+                f"the update's tensor_norms (total {claimed:.6g}) are not the norms of its "
+                f"values ({update.norm:.6g}); send the norms of the decoded outer gradient"
+            )
 
     async def add(self, update: Update, offset: int, count: int, data: bytes) -> None:
         """Decode one chunk and sum it into the update's round (raises CodecError)."""
@@ -340,8 +372,7 @@ class FragmentOwner:
         self.in_flight.discard(update)
         self.worker.submit(update.chunks.clear)  # received: nothing of it moves again
         update.accumulator.counted(update.weight, update.norms, 1)
-        self.recent_norms.append(update.norm)
-        self.recent_weights.append(update.weight)  # as capped: claims cannot ratchet it up
+        self.latest[update.learner] = (update.weight, update.norm)  # weight as capped
         self.members.append(update)  # of the open round: one sealed meanwhile moved it
         self.last_received = time.monotonic()
         tm.UPDATES_ACCEPTED.inc()

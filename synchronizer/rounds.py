@@ -47,6 +47,7 @@ class RoundPolicy:
     overlap_steps: int
     gamma: float
     fixed_grace_s: float | None
+    max_grace_s: float = float("inf")  # the adaptive window never waits longer than this
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,15 @@ def decide(
         elif policy.fixed_grace_s is not None:
             grace = policy.fixed_grace_s
         else:
-            grace = grace_window(
-                overlap_steps=policy.overlap_steps,
-                step_time_s=slowest_step_s,
-                t_quorum_s=max(0.0, state.now - state.opened_at),
-                t_sync_s=t_sync_s,
-                gamma=policy.gamma,
+            grace = min(
+                policy.max_grace_s,
+                grace_window(
+                    overlap_steps=policy.overlap_steps,
+                    step_time_s=slowest_step_s,
+                    t_quorum_s=max(0.0, state.now - state.opened_at),
+                    t_sync_s=t_sync_s,
+                    gamma=policy.gamma,
+                ),
             )
         return Decision(merge_now=grace <= 0.0, new_deadline=state.now + grace, grace_s=grace)
     deadline = state.deadline if state.deadline is not None else state.quorum_at

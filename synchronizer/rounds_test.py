@@ -94,3 +94,17 @@ def test_a_round_no_live_learner_can_add_to_merges_without_waiting_out_its_grace
     # Sync mode waits for every learner of the job, finishing or not.
     sync = RoundPolicy("sync", 2, 5, 0.8, None)
     assert not decide(nobody, sync, slowest_step_s=1.0, t_sync_s=0.0).merge_now
+
+
+def test_the_adaptive_grace_window_is_capped() -> None:
+    from synchronizer.rounds import RoundPolicy, RoundState, decide
+
+    policy = RoundPolicy(
+        mode="decoupled", quorum=1, overlap_steps=5, gamma=0.8, fixed_grace_s=None, max_grace_s=30.0
+    )
+    state = RoundState(
+        contributors=1, live_learners=2, opened_at=0.0, quorum_at=None, deadline=None, now=1.0
+    )
+    # A learner claiming an hour a step would hold the round open for four hours.
+    decision = decide(state, policy, slowest_step_s=3600.0, t_sync_s=0.1)
+    assert decision.grace_s == 30.0

@@ -8,6 +8,7 @@ the global state (versions, values, pending updates, spec, live learners).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import socket
 import threading
 import time
@@ -867,3 +868,90 @@ def test_fuzzed_request_messages_never_break_the_service(
     still_merges(c, r)
     for g in c.fetch_state():
         assert np.isfinite(g.values).all()
+
+
+def test_one_learner_cannot_fill_a_round_or_its_own_bar(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    # Quorum 2: the round stays open while only evil has sent. Its second update into the
+    # same open round is refused (retryable), so one slot cannot stack weight or ratchet the
+    # bars it is measured against; its claims are capped by the others' last updates.
+    sync = spawn_synchronizer(
+        "--fragments",
+        str(P),
+        "--quorum",
+        "2",
+        "--grace-seconds",
+        "0",
+        "--learner-tokens-file",
+        str(tokens_file(tmp_path)),
+    )
+    c0 = support.client([sync.address], "l0", token=TOKENS["l0"])
+    evil = support.client([sync.address], "evil", token=TOKENS["evil"])
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c0, P)
+        c0.wait_ack(support.send_delta(c0, 0, P, 0, seed=1), 15, received=True)
+        evil.wait_ack(support.send_delta(evil, 0, P, 0, seed=2), 15, received=True)
+        wait_until(lambda: support.version(r, 0) == 1, what="a fair first round")
+        first = evil.wait_ack(support.send_delta(evil, 0, P, 1, seed=3, c_tokens=10**15), 15, True)
+        assert first.status == session_pb2.ACK_STATUS_RECEIVED
+        n = support.layout(P).fragments[0].num_elements
+        segments, _ = codecs.encode_segments(
+            codecs.by_name("int8"), np.ones(n, np.float32), 256, 1024
+        )
+        second = evil.ingest_raw(
+            support.chunks_for(
+                0,
+                segments,
+                num_elements=n,
+                seq=999,
+                base_version=1,
+                learner="evil",
+                incarnation=evil.incarnation,
+                **INT8,
+            ),
+        )
+        assert second.status == session_pb2.ACK_STATUS_REJECTED
+        assert second.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert "already has an update" in second.reason
+        c0.wait_ack(support.send_delta(c0, 0, P, 1, seed=4), 15, received=True)
+        wait_until(lambda: support.version(r, 0) == 2, what="the second round")
+        entry = support.commit_log(r, 0)[1]
+        assert sorted(entry["learners"]) == ["evil", "l0"]  # type: ignore[arg-type]
+        weights = dict(zip(entry["learners"], entry["weights"], strict=True))  # type: ignore[call-overload]
+        assert weights["evil"] <= 2.0 * weights["l0"] * (1 + 1e-9)
+    finally:
+        c0.close()
+        evil.close()
+
+
+def test_radial_merging_refuses_norms_that_are_not_the_updates_own(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer("--fragments", str(P), "--grace-seconds", "0", "--merge", "radial")
+    c0 = support.client([sync.address], "l0")
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c0, P)
+        layout = support.layout(P).fragments[0]
+        values = np.random.default_rng(5).normal(scale=0.01, size=layout.num_elements)
+        segments, decoded = codecs.encode_segments(
+            codecs.by_name("int8"), values.astype(np.float32), 256, 1024
+        )
+        sizes = [leaf.size for leaf in layout.leaves]
+        starts = np.cumsum([0, *sizes])
+        honest = [float(np.linalg.norm(decoded[a:b])) for a, b in itertools.pairwise(starts)]
+        chunks = support.chunks_for(0, segments, num_elements=layout.num_elements, seq=1, **INT8)
+        before = snapshot(r)
+        chunks[0].tensor_norms.extend([1e-40] * len(sizes))  # divides its values up to inf
+        lied = c0.ingest_raw(chunks)
+        assert lied.status == session_pb2.ACK_STATUS_REJECTED
+        assert "not the norms" in lied.reason
+        assert snapshot(r) == before
+        chunks = support.chunks_for(0, segments, num_elements=layout.num_elements, seq=2, **INT8)
+        chunks[0].tensor_norms.extend(honest)
+        assert c0.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
+        wait_until(lambda: support.version(r, 0) == 1, what="the honest radial round")
+    finally:
+        c0.close()
