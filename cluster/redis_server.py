@@ -143,14 +143,29 @@ class RedisServer:
         self.stop()
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 class RedisClusterServers:
     """A Redis Cluster of `nodes` local redis-server processes (`--cluster-enabled yes`),
     hash slots split evenly between them, joined with CLUSTER MEET."""
 
     def __init__(self, workdir: Path, nodes: int = 3) -> None:
+        ports: list[int] = []
+        while len(ports) < nodes:  # each node also listens on its port + 10000 (the bus)
+            port = free_port()
+            if port + 10000 < 65536 and port not in ports and _port_free(port + 10000):
+                ports.append(port)
         self.servers = [
             RedisServer(
                 workdir / f"node-{i}",
+                port=ports[i],
                 extra_args=[
                     "--cluster-enabled",
                     "yes",

@@ -14,7 +14,8 @@ def test_a_job_grows_then_shrinks_and_its_newcomers_are_merged(tmp_path: Path) -
         "--learners",
         "2",
         "--steps",
-        "1500",  # the budget lasts well past the leavers' exit, on an idle machine too
+        "1500",
+        "--no-shared-budget",  # the two who stay train on well past the leavers' exit
         "--inner-steps",
         "10",
         "--fragments",
