@@ -30,7 +30,7 @@ from cluster.processes import Child, atoll_command, child_env, synchronizer_chil
 from cluster.redis_server import RedisServer
 from learner.client import SynchronizerClient
 from services import codec as codecs
-from services.gen.atoll.v1 import session_pb2
+from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from services.grpcopts import channel_options, server_options
 from services.layout import LeafSpec
 from services.wire import DEFAULT_MAX_CHUNK_BYTES, split
@@ -38,6 +38,7 @@ from services.wire import DEFAULT_MAX_CHUNK_BYTES, split
 if TYPE_CHECKING:
     from bench.settings import SynchronizerBench
 
+SERVICE = "atoll.v1.Synchronizer"
 IN_FLIGHT = 8  # updates each client keeps in flight (a learner never waits for acks)
 
 
@@ -104,26 +105,52 @@ def measure_ingest(
             seq = conns[0].send_initial(0, np.zeros(n, np.float32))
             conns[0].wait_ack(seq, 60)
 
+            owner = conns[0].owners[0].address
+            # Each update is a learner's own (one update per learner in a round): chunks
+            # serialized once; the fields that change per update are appended to them.
+            static = [
+                session_pb2.UpdateChunk(
+                    kind=session_pb2.UPDATE_KIND_OUTER_GRADIENT,
+                    chunk_index=k,
+                    data=seg.data,
+                    value_offset=seg.offset,
+                    value_count=seg.count,
+                    c_steps=10,
+                    c_tokens=1000,
+                    compute_seconds=1.0,
+                    header=fragment_pb2.PayloadHeader(
+                        fragment=0,
+                        codec=codec.wire,  # type: ignore[arg-type]
+                        block_size=256,
+                        num_elements=n,
+                        checksum=codecs.checksum(b"".join(x.data for x in segments)),
+                        chunk_count=len(segments),
+                        total_bytes=payload_bytes,
+                    ),
+                ).SerializeToString()
+                for k, seg in enumerate(segments)
+            ]
+
             def stream(i: int, deadline: float) -> int:
-                c, sent, window = conns[i], 0, []
+                channel = grpc.insecure_channel(owner, options=channel_options())
+                call = channel.stream_unary(
+                    f"/{SERVICE}/Ingest",
+                    request_serializer=None,
+                    response_deserializer=session_pb2.Ack.FromString,
+                )
+                sent, window, k = 0, [], 0
+                ok = (session_pb2.ACK_STATUS_RECEIVED, session_pb2.ACK_STATUS_COMMITTED)
                 while time.monotonic() < deadline:
-                    window.append(
-                        c.send_update(
-                            fragment=0,
-                            payload=segments,
-                            codec=codec.wire,
-                            block_size=256,
-                            num_elements=n,
-                            base_version=max(c.known_versions.get(0, 0), 0),
-                            c_steps=10,
-                            c_tokens=1000,
-                            compute_seconds=1.0,
-                        )
-                    )
+                    k += 1
+                    tail = session_pb2.UpdateChunk(
+                        seq=k, learner_id=f"bench-{i}-{k}", incarnation="i"
+                    ).SerializeToString()
+                    window.append(call.future(iter([c + tail for c in static]), timeout=60))
                     if len(window) >= IN_FLIGHT:
-                        sent += _received(c, window.pop(0), payload_bytes)
-                for s in window:
-                    sent += _received(c, s, payload_bytes)
+                        sent += payload_bytes if window.pop(0).result().status in ok else 0
+                for f in window:
+                    sent += payload_bytes if f.result().status in ok else 0
+                channel.close()
                 return sent
 
             rate = _run_clients(clients, seconds, stream)
@@ -132,12 +159,6 @@ def measure_ingest(
             return rate
         finally:
             sync.stop()
-
-
-def _received(c: SynchronizerClient, seq: int, payload_bytes: int) -> int:
-    ack = c.wait_ack(seq, 60, received=True)
-    ok = (session_pb2.ACK_STATUS_RECEIVED, session_pb2.ACK_STATUS_COMMITTED)
-    return payload_bytes if ack.status in ok else 0
 
 
 def measure_raw(workdir: Path, clients: int, seconds: float, payload_bytes: int) -> float:
