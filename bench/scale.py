@@ -256,6 +256,44 @@ def run(settings: ScaleBench) -> None:
 
 
 # --- a synthetic learner -------------------------------------------------------------------
+def static_chunks(
+    fragment: int,
+    segments: list[codecs.Segment],
+    codec: codecs.Codec,
+    *,
+    learner: str = "",
+    incarnation: str = "",
+) -> list[bytes]:
+    """An update's chunks serialized once. The fields each send changes (seq, base version,
+    a learner id of its own) are serialized on their own and appended: protobuf merges
+    concatenated messages, the later field winning."""
+    header = fragment_pb2.PayloadHeader(
+        fragment=fragment,
+        codec=codec.wire,  # type: ignore[arg-type]
+        block_size=256,
+        num_elements=sum(s.count for s in segments),
+        checksum=codecs.checksum(b"".join(s.data for s in segments)),
+        chunk_count=len(segments),
+        total_bytes=sum(len(s.data) for s in segments),
+    )
+    return [
+        session_pb2.UpdateChunk(
+            header=header,
+            kind=session_pb2.UPDATE_KIND_OUTER_GRADIENT,
+            chunk_index=i,
+            data=s.data,
+            value_offset=s.offset,
+            value_count=s.count,
+            c_steps=10,
+            c_tokens=1000,
+            compute_seconds=1.0,
+            learner_id=learner,
+            incarnation=incarnation,
+        ).SerializeToString()
+        for i, s in enumerate(segments)
+    ]
+
+
 class _Session:
     """A learner's control session that reads everything pushed (counting, not decoding)."""
 
@@ -323,41 +361,15 @@ def run_learner(settings: ScaleLearner) -> None:
     spec = model_spec(settings.params, settings.fragments)
     segments = codecs.unpack_segments(settings.update.read_bytes())
     codec = codecs.by_name(settings.codec)
-    header = fragment_pb2.PayloadHeader(
-        codec=codec.wire,  # type: ignore[arg-type]
-        block_size=256,
-        num_elements=sum(s.count for s in segments),
-        checksum=codecs.checksum(b"".join(s.data for s in segments)),
-        chunk_count=len(segments),
-        total_bytes=sum(len(s.data) for s in segments),
-    )
-    payload = header.total_bytes
+    payload = sum(len(s.data) for s in segments)
     learner = f"bench-{settings.index}"
     session = _Session(settings.addresses.split(",")[0], spec, learner)
     session.ready.wait(30)
-    # Each chunk serialized once per fragment; the fields a send changes are serialized on
-    # their own and appended (protobuf merges concatenated messages).
-    static: dict[int, list[bytes]] = {}
-    for p in range(settings.fragments):
-        h = fragment_pb2.PayloadHeader()
-        h.CopyFrom(header)
-        h.fragment = p
-        static[p] = [
-            session_pb2.UpdateChunk(
-                header=h,
-                kind=session_pb2.UPDATE_KIND_OUTER_GRADIENT,
-                chunk_index=i,
-                data=s.data,
-                value_offset=s.offset,
-                value_count=s.count,
-                c_steps=10,
-                c_tokens=1000,
-                compute_seconds=1.0,
-                learner_id=learner,
-                incarnation=session._hello.hello.incarnation,
-            ).SerializeToString()
-            for i, s in enumerate(segments)
-        ]
+    incarnation = session._hello.hello.incarnation
+    static = {
+        p: static_chunks(p, segments, codec, learner=learner, incarnation=incarnation)
+        for p in range(settings.fragments)
+    }
     channels: dict[str, Any] = {}
     sent = received = seq = 0
     started = time.monotonic()

@@ -26,11 +26,12 @@ import grpc
 import numpy as np
 import redis
 
+from bench.scale import static_chunks
 from cluster.processes import Child, atoll_command, child_env, synchronizer_child, wait_for_file
 from cluster.redis_server import RedisServer
 from learner.client import SynchronizerClient
 from services import codec as codecs
-from services.gen.atoll.v1 import fragment_pb2, session_pb2
+from services.gen.atoll.v1 import session_pb2
 from services.grpcopts import channel_options, server_options
 from services.layout import LeafSpec
 from services.wire import DEFAULT_MAX_CHUNK_BYTES, split
@@ -106,30 +107,8 @@ def measure_ingest(
             conns[0].wait_ack(seq, 60)
 
             owner = conns[0].owners[0].address
-            # Each update is a learner's own (one update per learner in a round): chunks
-            # serialized once; the fields that change per update are appended to them.
-            static = [
-                session_pb2.UpdateChunk(
-                    kind=session_pb2.UPDATE_KIND_OUTER_GRADIENT,
-                    chunk_index=k,
-                    data=seg.data,
-                    value_offset=seg.offset,
-                    value_count=seg.count,
-                    c_steps=10,
-                    c_tokens=1000,
-                    compute_seconds=1.0,
-                    header=fragment_pb2.PayloadHeader(
-                        fragment=0,
-                        codec=codec.wire,  # type: ignore[arg-type]
-                        block_size=256,
-                        num_elements=n,
-                        checksum=codecs.checksum(b"".join(x.data for x in segments)),
-                        chunk_count=len(segments),
-                        total_bytes=payload_bytes,
-                    ),
-                ).SerializeToString()
-                for k, seg in enumerate(segments)
-            ]
+            # Each update is a learner's own (one update per learner in a round).
+            static = static_chunks(0, segments, codec)
 
             def stream(i: int, deadline: float) -> int:
                 channel = grpc.insecure_channel(owner, options=channel_options())
