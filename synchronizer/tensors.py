@@ -79,7 +79,7 @@ class TensorStore:
             ) from None
 
     async def get_arrays(self, name: str, size: int) -> list[np.ndarray]:
-        """An object written by `put_arrays`, as float32 arrays of `size` values each."""
+        """An object of float32 arrays of `size` values each, back to back."""
         data = await self.get(name)
         flat = np.frombuffer(data, "<f4")
         if size <= 0 or flat.size % size:
