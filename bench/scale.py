@@ -33,7 +33,7 @@ from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.grpcopts import channel_options
 from services.layout import LeafSpec, fragment_layout
-from services.wire import DEFAULT_MAX_CHUNK_BYTES
+from services.wire import DEFAULT_MAX_CHUNK_BYTES, segments_header
 from synchronizer import inspect
 from synchronizer.keys import JobKeys
 
@@ -267,15 +267,7 @@ def static_chunks(
     """An update's chunks serialized once. The fields each send changes (seq, base version,
     a learner id of its own) are serialized on their own and appended: protobuf merges
     concatenated messages, the later field winning."""
-    header = fragment_pb2.PayloadHeader(
-        fragment=fragment,
-        codec=codec.wire,  # type: ignore[arg-type]
-        block_size=256,
-        num_elements=sum(s.count for s in segments),
-        checksum=codecs.checksum(b"".join(s.data for s in segments)),
-        chunk_count=len(segments),
-        total_bytes=sum(len(s.data) for s in segments),
-    )
+    header = segments_header(fragment, codec.wire, 256, sum(s.count for s in segments), segments)
     return [
         session_pb2.UpdateChunk(
             header=header,

@@ -34,7 +34,7 @@ from services import codec as codecs
 from services.gen.atoll.v1 import session_pb2
 from services.grpcopts import channel_options, server_options
 from services.layout import LeafSpec
-from services.wire import DEFAULT_MAX_CHUNK_BYTES, split
+from services.wire import DEFAULT_MAX_CHUNK_BYTES
 
 if TYPE_CHECKING:
     from bench.settings import SynchronizerBench
@@ -151,7 +151,8 @@ def measure_raw(workdir: Path, clients: int, seconds: float, payload_bytes: int)
     try:
         port = wait_for_file(port_file, sink)["grpc"]
         payload = np.random.default_rng(0).bytes(payload_bytes)
-        chunks = split(payload, DEFAULT_MAX_CHUNK_BYTES)
+        step = DEFAULT_MAX_CHUNK_BYTES  # the same 1 MiB chunks as the synchronizer's
+        chunks = [payload[i : i + step] for i in range(0, len(payload), step)]
 
         def stream(_: int, deadline: float) -> int:
             channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())

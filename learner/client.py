@@ -34,7 +34,7 @@ from services.downlink import apply_segment
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.grpcopts import backoff_delays, channel_options
 from services.layout import LeafSpec
-from services.wire import DEFAULT_MAX_CHUNK_BYTES
+from services.wire import DEFAULT_MAX_CHUNK_BYTES, segments_header
 from services.wirecount import counting_parser, counting_serializer
 
 SERVICE = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
@@ -260,18 +260,7 @@ class SynchronizerClient:
         to a new owner, until it is committed."""
         seq = next(self._seq)
         segments = segments_of(payload, codec, num_elements)
-        hasher = xxhash.xxh3_64()
-        for s in segments:
-            hasher.update(s.data)
-        header = fragment_pb2.PayloadHeader(
-            fragment=fragment,
-            codec=codec,  # type: ignore[arg-type]
-            block_size=block_size,
-            num_elements=num_elements,
-            checksum=hasher.intdigest(),
-            chunk_count=len(segments),
-            total_bytes=sum(len(s.data) for s in segments),
-        )
+        header = segments_header(fragment, codec, block_size, num_elements, segments)
         chunks = []
         for i, s in enumerate(segments):
             chunk = session_pb2.UpdateChunk(

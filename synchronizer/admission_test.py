@@ -5,7 +5,7 @@ import pytest
 from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from services.layout import LeafSpec, fragment_layout
-from services.wire import make_header
+from services.wire import segments_header
 from synchronizer.admission import (
     MAX_LEAVES,
     Rejection,
@@ -22,7 +22,7 @@ OUTER = session_pb2.UPDATE_KIND_OUTER_GRADIENT
 
 
 def header(**kw: int) -> fragment_pb2.PayloadHeader:
-    h = make_header(0, fragment_pb2.CODEC_INT8, 256, 100, b"", 1024)
+    h = segments_header(0, fragment_pb2.CODEC_INT8, 256, 100, [codecs.Segment(0, 100, b"")])
     for k, v in kw.items():
         setattr(h, k, v)
     return h

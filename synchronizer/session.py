@@ -26,6 +26,7 @@ from services.config import SynchronizerSettings
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
 from services.tape import Tape
+from services.wire import segments_header
 from synchronizer import admission, auth
 from synchronizer.admission import Rejection, check_heartbeat, check_hello
 from synchronizer.ownership import Ownership
@@ -139,15 +140,7 @@ def delta_chunks(
     fragment: int, version: int, blob: bytes, codec: codecs.Codec, block_size: int, n: int
 ) -> list[fragment_pb2.GlobalFragmentChunk]:
     segments = codecs.unpack_segments(blob)
-    header = fragment_pb2.PayloadHeader(
-        fragment=fragment,
-        codec=codec.wire,  # type: ignore[arg-type]
-        block_size=block_size,
-        num_elements=n,
-        checksum=codecs.checksum(b"".join(s.data for s in segments)),
-        chunk_count=len(segments),
-        total_bytes=sum(len(s.data) for s in segments),
-    )
+    header = segments_header(fragment, codec.wire, block_size, n, segments)
     return [
         fragment_pb2.GlobalFragmentChunk(
             header=header,

@@ -12,6 +12,7 @@ from learner.client import SynchronizerClient
 from services import codec as codecs
 from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
+from services.wire import segments_header
 from synchronizer import inspect
 from synchronizer.keys import JobKeys
 
@@ -116,14 +117,8 @@ def chunks_for(
 ) -> list[session_pb2.UpdateChunk]:
     """Hand-built update chunks, for tests that send what a correct learner never would: a
     whole payload goes as one segment of every value."""
-    import xxhash
-
     segments = [codecs.Segment(0, num_elements, payload)] if isinstance(payload, bytes) else payload
-    header = session_pb2.UpdateChunk().header
-    header.fragment, header.codec, header.block_size = fragment, codec, block_size  # type: ignore[assignment]
-    header.num_elements, header.chunk_count = num_elements, len(segments)
-    header.total_bytes = sum(len(seg.data) for seg in segments)
-    header.checksum = xxhash.xxh3_64_intdigest(b"".join(seg.data for seg in segments))
+    header = segments_header(fragment, codec, block_size, num_elements, segments)
     out = []
     for i, seg in enumerate(segments):
         chunk = session_pb2.UpdateChunk(
