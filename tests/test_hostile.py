@@ -363,9 +363,11 @@ def test_an_anonymous_first_hello_cannot_fix_the_jobs_spec(
 
 
 # --- weights and values -------------------------------------------------------------------
-def test_a_huge_token_count_does_not_buy_the_merge(
-    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
-) -> None:
+def l0_and_evil(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer
+) -> tuple[SynchronizerClient, SynchronizerClient]:
+    """A job whose rounds wait for two learners (quorum 2, no grace), and two token holders:
+    the legitimate l0 and evil."""
     sync = spawn_synchronizer(
         "--fragments",
         str(P),
@@ -377,7 +379,13 @@ def test_a_huge_token_count_does_not_buy_the_merge(
         str(tokens_file(tmp_path)),
     )
     c0 = support.client([sync.address], "l0", token=TOKENS["l0"])
-    evil = support.client([sync.address], "evil", token=TOKENS["evil"])
+    return c0, support.client([sync.address], "evil", token=TOKENS["evil"])
+
+
+def test_a_huge_token_count_does_not_buy_the_merge(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    c0, evil = l0_and_evil(tmp_path, spawn_synchronizer)
     r = redis.Redis(port=redis_server.port)
     try:
         support.initialize(c0, P)
@@ -876,18 +884,7 @@ def test_one_learner_cannot_fill_a_round_or_its_own_bar(
     # Quorum 2: the round stays open while only evil has sent. Its second update into the
     # same open round is refused (retryable), so one slot cannot stack weight or ratchet the
     # bars it is measured against; its claims are capped by the others' last updates.
-    sync = spawn_synchronizer(
-        "--fragments",
-        str(P),
-        "--quorum",
-        "2",
-        "--grace-seconds",
-        "0",
-        "--learner-tokens-file",
-        str(tokens_file(tmp_path)),
-    )
-    c0 = support.client([sync.address], "l0", token=TOKENS["l0"])
-    evil = support.client([sync.address], "evil", token=TOKENS["evil"])
+    c0, evil = l0_and_evil(tmp_path, spawn_synchronizer)
     r = redis.Redis(port=redis_server.port)
     try:
         support.initialize(c0, P)
