@@ -79,7 +79,7 @@ def measure_ingest(
     rounds = (
         ["--max-staleness", "1000000"]
         if merging
-        else ["--mode", "sync", "--quorum", str(clients + 1), "--max-staleness", "1000000"]
+        else ["--mode", "sync", "--quorum", "1000000", "--max-staleness", "1000000"]
     )
     run_dir = workdir / ("merging" if merging else "open")
     run_dir.mkdir()

@@ -8,8 +8,9 @@ again if anything fails.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -29,6 +30,7 @@ from synchronizer.ownership import Ownership
 from synchronizer.store import ControlStore
 
 log = structlog.get_logger("atoll.synchronizer.ingest")
+SUMMING_AHEAD = 3  # chunks of one update queued on the fragment's worker while more arrive
 
 NOT_OWNER = "not the owner of fragment {p}; look up the owner map again and resend"
 
@@ -132,8 +134,9 @@ class Ingest:
 
     async def _chunks(
         self, first: session_pb2.UpdateChunk, rest: AsyncIterator[session_pb2.UpdateChunk]
-    ) -> AsyncIterator[session_pb2.UpdateChunk]:
-        """The call's chunks in order, each checked against the first's header."""
+    ) -> AsyncIterator[tuple[session_pb2.UpdateChunk, bytes]]:
+        """The call's chunks in order, each checked against the first's header, with its
+        bytes (read once: each read of a message's bytes field is a copy)."""
         expected_offset, n = 0, first.header.num_elements
         chunk: session_pb2.UpdateChunk | None = first
         index, received = 0, 0
@@ -143,14 +146,15 @@ class Ingest:
                     "out_of_order", grpc.StatusCode.INVALID_ARGUMENT, "more chunks than announced"
                 )
             check_chunk(chunk, first, index, expected_offset, n)
-            received += len(chunk.data)
+            data = chunk.data
+            received += len(data)
             if received > first.header.total_bytes:
                 raise Rejection(
                     "shape_mismatch",
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"the chunks hold more than the {first.header.total_bytes} bytes announced",
                 )
-            yield chunk
+            yield chunk, data
             expected_offset += chunk.value_count
             index += 1
             chunk = await anext(rest, None)
@@ -205,15 +209,15 @@ class Ingest:
             return await self._refuse(
                 first, Rejection("bad_request", grpc.StatusCode.UNAVAILABLE, str(err))
             )
+        summing: deque[asyncio.Future[None]] = deque()
         try:
-            async for chunk in self._chunks(first, rest):
-                try:
-                    await owner.add(update, chunk.value_offset, chunk.value_count, chunk.data)
-                except codecs.CodecError as err:
-                    reason = "non_finite" if "NaN" in str(err) else "bad_codec"
-                    raise Rejection(reason, grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-                except NormTooLarge as err:
-                    raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+            # The next chunk is read while the last ones are summed on the fragment's worker.
+            async for chunk, data in self._chunks(first, rest):
+                summing.append(owner.add(update, chunk.value_offset, chunk.value_count, data))
+                if len(summing) >= SUMMING_AHEAD:
+                    await _summed(summing.popleft())
+            while summing:
+                await _summed(summing.popleft())
             if update.hasher.intdigest() != first.header.checksum:
                 raise Rejection(
                     "checksum",
@@ -225,9 +229,11 @@ class Ingest:
             except NormTooLarge as err:
                 raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         except Rejection as rejection:
+            await _drain(summing)
             await owner.abandon(update)
             return await self._refuse(first, rejection)
         except BaseException:
+            await _drain(summing)
             await owner.abandon(update)
             raise
         status, version = await owner.receive(update, first.header.checksum)
@@ -266,15 +272,15 @@ class Ingest:
         values = np.empty(owner.size, np.float32)
         hasher = xxhash.xxh3_64()
         try:
-            async for chunk in self._chunks(first, rest):
+            async for chunk, data in self._chunks(first, rest):
                 try:
-                    part = codecs.by_name("fp32").decode(chunk.data, chunk.value_count, 0)
+                    part = codecs.by_name("fp32").decode(data, chunk.value_count, 0)
                 except codecs.CodecError as err:
                     raise Rejection(
                         "bad_codec", grpc.StatusCode.INVALID_ARGUMENT, str(err)
                     ) from None
                 values[chunk.value_offset : chunk.value_offset + chunk.value_count] = part
-                hasher.update(chunk.data)
+                hasher.update(data)
             if hasher.intdigest() != first.header.checksum:
                 raise Rejection(
                     "checksum", grpc.StatusCode.INVALID_ARGUMENT, "payload checksum mismatch"
@@ -331,3 +337,20 @@ class Ingest:
             reason=rejection.message,
             version=version,
         )
+
+
+async def _summed(job: asyncio.Future[None]) -> None:
+    """Wait for one chunk's sum; its refusal as the update's."""
+    try:
+        await job
+    except codecs.CodecError as err:
+        reason = "non_finite" if "NaN" in str(err) else "bad_codec"
+        raise Rejection(reason, grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+    except NormTooLarge as err:
+        raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+
+
+async def _drain(jobs: deque[asyncio.Future[None]]) -> None:
+    """Let the chunk sums still queued finish (or fail) before the update is taken out."""
+    await asyncio.gather(*jobs, return_exceptions=True)
+    jobs.clear()

@@ -285,16 +285,19 @@ class FragmentOwner:
                 f"values ({update.norm:.6g}); send the norms of the decoded outer gradient"
             )
 
-    async def add(self, update: Update, offset: int, count: int, data: bytes) -> None:
-        """Decode one chunk and sum it into the update's round (raises CodecError)."""
-        update.hasher.update(data)
-        await self._on_worker(self._add, update, offset, count, data)
+    def add(self, update: Update, offset: int, count: int, data: bytes) -> asyncio.Future[None]:
+        """Queue one chunk to be hashed, decoded and summed into the update's round on the
+        fragment's worker, in arrival order; the future raises CodecError or NormTooLarge."""
+        return asyncio.get_running_loop().run_in_executor(
+            self.worker, self._add, update, offset, count, data
+        )
 
     # The chunk records and the sums are touched on the worker thread only, one job at a
     # time; which round an update belongs to (`update.accumulator`, the members) changes on
     # the event loop only. A chunk is summed into the round its update belongs to when the
     # job runs, and its record says which that was.
     def _add(self, update: Update, offset: int, count: int, data: bytes) -> None:
+        update.hasher.update(data)
         values = update.codec.decode(data, count, update.block_size)
         with np.errstate(over="ignore"):
             squares = float(np.dot(values, values))  # inf on overflow: refused below
