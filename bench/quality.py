@@ -7,6 +7,9 @@
 - sync: classic DiLoCo in fp32 both ways, M learners, every learner waits at each fragment
   sync; one run per H.
 - decoupled: Decoupled DiLoCo, M learners that never wait; one run per codec and H.
+- sanity: one learner through the decoupled path with fp32 both ways, outer lr 1 and no
+  momentum (each merge is then the identity), against the same learner alone (one sync at
+  its end): their training losses must agree step by step, to float noise.
 
 Every run trains on the same text for the same tokens and is scored on the same evaluation
 windows. The result is written after each run, so a long bench split over several
@@ -22,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.runs import atoll, data_parallel, model_flags, up, write
+from bench.runs import atoll, data_parallel, learner_summaries, model_flags, up, write
 from services.bandwidth import dp_equivalent_bytes
 
 if TYPE_CHECKING:
@@ -167,7 +170,9 @@ def gaps(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def result(settings: QualityBench, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def result(
+    settings: QualityBench, runs: dict[str, dict[str, Any]], checks: dict[str, Any] | None = None
+) -> dict[str, Any]:
     found = gaps(runs)
     decoupled = [n for n in runs if n.startswith("decoupled-") and f"{n}_vs_dp" in found]
     best = min(decoupled, key=lambda n: found[f"{n}_vs_dp"], default=None)
@@ -186,6 +191,7 @@ def result(settings: QualityBench, runs: dict[str, dict[str, Any]]) -> dict[str,
         "runs": runs,
         "gaps": found,
         "best_decoupled": best,
+        **(checks or {}),
     }
     # The keys of the first version of this bench, for tools that read them.
     sync = next((n for n in runs if n.startswith("sync-")), None)
@@ -194,6 +200,61 @@ def result(settings: QualityBench, runs: dict[str, dict[str, Any]]) -> dict[str,
     if "dp" in runs and decoupled:
         out["decoupled_vs_dp_loss_gap"] = found[f"{decoupled[0]}_vs_dp"]
     return out
+
+
+def sanity(settings: QualityBench, common: list[str], root: Path) -> dict[str, Any]:
+    """One learner through the decoupled path, each merge the identity, against itself
+    alone: the largest difference of their training losses, step by step."""
+    steps, h = settings.sanity_steps, settings.inner_steps[0]
+    one = [
+        *common,
+        "--learners",
+        "1",
+        "--steps",
+        str(steps),
+        "--threads",
+        str(settings.threads),
+        "--batch-size",
+        str(settings.batch_size),
+        "--fragments",
+        str(settings.fragments),
+        "--gpus-per-learner",
+        str(settings.gpus_per_learner),
+        "--codec",
+        "fp32",
+        "--downlink-codec",
+        "fp32",
+        "--outer-lr",
+        "1.0",
+        "--outer-momentum",
+        "0",
+        "--log-every",
+        "1",
+    ]
+    curves = {}
+    for name, flags in {
+        "alone": ["--mode", "sync", "--inner-steps", str(steps)],
+        "decoupled": ["--mode", "decoupled", "--inner-steps", str(h)],
+    }.items():
+        up(root / f"sanity-{name}", [*one, *flags])
+        (summary,) = learner_summaries(root / f"sanity-{name}")
+        curves[name] = {step: loss for _, step, _, loss in summary["losses"]}
+    shared = sorted(set(curves["alone"]) & set(curves["decoupled"]))
+    diffs = [abs(curves["alone"][s] - curves["decoupled"][s]) for s in shared]
+    worst = max(range(len(shared)), key=diffs.__getitem__)
+    return {
+        "steps": steps,
+        "inner_steps": h,
+        "fragments": settings.fragments,
+        "compared_steps": len(shared),
+        "max_abs_loss_diff": round(diffs[worst], 6),
+        "at_step": shared[worst],
+        "max_rel_loss_diff": round(
+            max(d / abs(curves["alone"][s]) for d, s in zip(diffs, shared, strict=True)), 6
+        ),
+        "final_loss_alone": curves["alone"][shared[-1]],
+        "final_loss_decoupled": curves["decoupled"][shared[-1]],
+    }
 
 
 def check_export(settings: QualityBench, name: str, workdir: Path) -> dict[str, Any]:
@@ -219,6 +280,7 @@ def run(settings: QualityBench) -> None:
     m, steps = settings.learners, steps_of(settings)
     common = common_flags(settings)
     runs: dict[str, dict[str, Any]] = {}
+    checks: dict[str, Any] = {}
     if settings.baseline is not None:
         earlier = json.loads(settings.baseline.read_text())
         mine = result(settings, {})
@@ -229,8 +291,13 @@ def run(settings: QualityBench) -> None:
                     f"this bench with {mine[key]}: its runs are not comparable"
                 )
         runs.update(earlier["runs"])
+        if "sanity" in earlier:
+            checks["sanity"] = earlier["sanity"]
     with tempfile.TemporaryDirectory(prefix="atoll-quality-") as tmp:
         root = Path(tmp)
+        if "sanity" in settings.runs:
+            checks["sanity"] = sanity(settings, common, root)
+            write(result(settings, runs, checks), settings.json_path)
         if "dp" in settings.runs:
             dp = data_parallel(
                 root / "dp",
@@ -246,8 +313,8 @@ def run(settings: QualityBench) -> None:
                 bandwidth_reduction=1.0,
                 **check_export(settings, "dp", root / "dp"),
             )
-            write(result(settings, runs), settings.json_path)
+            write(result(settings, runs, checks), settings.json_path)
         for name, flags in planned(settings):
             report = up(root / name, [*common, *flags, *export_flags(settings, name)])
             runs[name] = summarize(report, **check_export(settings, name, root / name))
-            write(result(settings, runs), settings.json_path)
+            write(result(settings, runs, checks), settings.json_path)

@@ -133,11 +133,13 @@ class QualityBench(_Model, _Output):
     codecs: list[str] = Field(
         ["int8"], description="codecs of the decoupled runs (both directions)"
     )
-    runs: list[Literal["dp", "sync", "decoupled"]] = Field(
+    runs: list[Literal["dp", "sync", "decoupled", "sanity"]] = Field(
         ["dp", "sync", "decoupled"],
         description="which kinds of run this invocation makes (split a long bench over "
-        "several invocations with --baseline)",
+        "several invocations with --baseline); sanity: one learner through the decoupled "
+        "path (fp32, outer lr 1, no momentum) against the same learner alone, step by step",
     )
+    sanity_steps: int = Field(300, ge=2, description="inner steps of each sanity run")
     baseline: Path | None = Field(
         None,
         description="an earlier result JSON of this bench: its runs join this one's (gaps "

@@ -139,8 +139,9 @@ class JobConfig(BaseModel):
         10.0,
         gt=1.0,
         description="an update whose L2 norm exceeds this many times the median norm of the "
-        "fragment's last 16 accepted updates is refused (before any history: this many times "
-        "the fragment's own norm)",
+        "other learners' last accepted updates of the fragment, each scaled to the update's "
+        "inner steps (square root for fewer, linear for more, at most 8x), is refused (before "
+        "any history: this many times the fragment's own norm)",
     )
     max_weight_share: float = Field(
         2.0,

@@ -53,6 +53,9 @@ T_SYNC_DECAY = 0.8
 # Outer steps of every owned fragment share one pool, a thread per core.
 _STEP_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="atoll-step")
 MAX_WEIGHTED_VALUE = 1e37  # weight x value beyond this would overflow the float32 sum
+# An update covering more steps than its reference may be this many times its norm at most
+# (a claimed step count cannot widen the bound without limit).
+MAX_STEP_SPAN = 8.0
 
 
 class RoundBusy(ValueError):
@@ -142,8 +145,9 @@ class FragmentOwner:
         self.state: list[np.ndarray] = []
         self.residual = np.zeros(0, np.float32)
         self.theta_norm = 0.0
-        # Each learner's last accepted update on this fragment: (weight as capped, L2 norm).
-        self.latest: dict[str, tuple[float, float]] = {}
+        # Each learner's last accepted update on this fragment: (weight as capped, L2 norm,
+        # inner steps it covered).
+        self.latest: dict[str, tuple[float, float, int]] = {}
         self.current = self.rule.new(size, self.segments)
         self.members: list[Update] = []  # received into the open round
         self.in_flight: set[Update] = set()  # summing, not received yet
@@ -218,7 +222,7 @@ class FragmentOwner:
                 "round; resend once it merges"
             )
         weight = token_weight(c_tokens, c_steps)
-        others = [w for who, (w, _) in self.latest.items() if who != learner]
+        others = [w for who, (w, _, _) in self.latest.items() if who != learner]
         if others:
             # No update weighs more than --max-weight-share times the median weight of the
             # other learners' last updates (its fair share): whatever tokens it claims, it
@@ -230,7 +234,7 @@ class FragmentOwner:
                 weight = cap
         if self.version is not None and self.config.staleness_decay != 1.0:
             weight *= staleness_weight(self.version - base_version, self.config.staleness_decay)
-        bound = self.norm_bound(learner)
+        bound = self.norm_bound(learner, c_steps)
         claimed = math.sqrt(sum(float(n) ** 2 for n in norms))
         if bound is not None and claimed > bound:
             raise NormTooLarge(
@@ -255,18 +259,19 @@ class FragmentOwner:
         self.in_flight.add(update)
         return update
 
-    def norm_bound(self, learner: str) -> float | None:
-        """The largest L2 norm an update may have: --max-update-norm-ratio times the median
-        norm of the other learners' last updates (a learner's own never moves its bar); with
-        no other learner yet, times its own last one, or the fragment's own norm (an outer
-        gradient is a fraction of the parameters it moves)."""
+    def norm_bound(self, learner: str, steps: int) -> float | None:
+        """The largest L2 norm an update of `steps` inner steps may have:
+        --max-update-norm-ratio times the median of the other learners' last updates (a
+        learner's own never moves its bar), each scaled to `steps` (`step_scale`); with no
+        other learner yet, the same against its own last one, or the fragment's own norm (an
+        outer gradient is a fraction of the parameters it moves)."""
         ratio = self.config.max_update_norm_ratio
         floor = max(1e-3 * self.theta_norm, 1e-12)  # tiny updates cannot shut the others out
-        others = [n for who, (_, n) in self.latest.items() if who != learner]
-        if others:
-            return ratio * max(statistics.median(others), floor)
-        if learner in self.latest:
-            return ratio * max(self.latest[learner][1], floor)
+        others = [(n, s) for who, (_, n, s) in self.latest.items() if who != learner]
+        references = others or ([self.latest[learner][1:]] if learner in self.latest else [])
+        if references:
+            scaled = [n * step_scale(steps, s) for n, s in references]
+            return ratio * max(statistics.median(scaled), floor)
         if self.theta_norm > 0:
             return ratio * self.theta_norm
         return None
@@ -375,7 +380,7 @@ class FragmentOwner:
         self.in_flight.discard(update)
         self.worker.submit(update.chunks.clear)  # received: nothing of it moves again
         update.accumulator.counted(update.weight, update.norms, 1)
-        self.latest[update.learner] = (update.weight, update.norm)  # weight as capped
+        self.latest[update.learner] = (update.weight, update.norm, update.c_steps)
         self.members.append(update)  # of the open round: one sealed meanwhile moved it
         self.last_received = time.monotonic()
         tm.UPDATES_ACCEPTED.inc()
@@ -583,6 +588,17 @@ class FragmentOwner:
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
+
+
+def step_scale(steps: int, reference_steps: int) -> float:
+    """How much larger than a reference update of `reference_steps` inner steps an honest
+    update of `steps` steps may be. An outer gradient's norm grows between the square root
+    of its steps (noise) and linearly (a steady direction): fewer steps scale by the square
+    root, more steps linearly, at most MAX_STEP_SPAN times. Steps differ between honest
+    updates: a learner whose reply comes late sends more steps at once, and the one after
+    it fewer."""
+    x = max(1, steps) / max(1, reference_steps)
+    return math.sqrt(x) if x < 1.0 else min(x, MAX_STEP_SPAN)
 
 
 def _checksum(values: np.ndarray) -> int:

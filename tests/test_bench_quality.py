@@ -59,6 +59,10 @@ def test_the_cpu_smoke_bench_trains_three_ways_and_its_exports_score_the_same(
             json.dumps([str(stdlib / "email")]),
             "--eval-data",
             json.dumps([str(stdlib / "json")]),
+            "--runs",
+            json.dumps(["dp", "sync", "decoupled", "sanity"]),
+            "--sanity-steps",
+            "40",
             "--export-dir",
             str(tmp_path / "models"),
             "--json",
@@ -82,6 +86,12 @@ def test_the_cpu_smoke_bench_trains_three_ways_and_its_exports_score_the_same(
         "decoupled-int4-h10_vs_sync-fp32-h10",
     }
     assert result["best_decoupled"] == "decoupled-int4-h10"
+    # One learner through the decoupled path, every merge the identity, trains as it would
+    # alone, step by step (a late reply once made an honest update be refused as too large
+    # and its steps lost).
+    sanity = result["sanity"]
+    assert sanity["compared_steps"] >= 30
+    assert sanity["max_abs_loss_diff"] < 1e-3, sanity
 
 
 def test_a_baseline_of_other_sizes_is_refused(tmp_path: Path) -> None:
