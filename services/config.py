@@ -78,7 +78,12 @@ class JobConfig(BaseModel):
         description="the adaptive grace window never waits longer than this (a learner "
         "reporting a very slow step cannot hold every round open)",
     )
-    outer_lr: float = Field(0.7, gt=0.0, description="outer Nesterov SGD learning rate")
+    outer_lr: float = Field(
+        1.0,
+        gt=0.0,
+        description="outer Nesterov SGD learning rate (1.0 measured best for decoupled runs "
+        "at 86M parameters on GPUs, docs/BENCHMARKS.md)",
+    )
     outer_momentum: float = Field(
         0.0,
         ge=0.0,
