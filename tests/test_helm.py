@@ -230,7 +230,10 @@ def test_defaults_give_synchronizers_a_pool_and_redis() -> None:
     ]
     sync = next(d for d in docs if d["kind"] == "Deployment")
     container = sync["spec"]["template"]["spec"]["containers"][0]
+    # Readiness asks the service, which follows Redis; liveness asks the whole server, which
+    # does not (a Redis outage must not restart every replica).
     assert container["readinessProbe"]["grpc"]["service"] == "atoll.v1.Synchronizer"
+    assert container["livenessProbe"]["grpc"].get("service", "") == ""
     assert "--redis-url=redis://atoll-redis:6379/0" in container["args"]
     # Replicas share one tensor store (a ReadWriteMany claim by default) and advertise the
     # address learners send each owned fragment's updates to.
