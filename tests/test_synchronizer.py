@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 import urllib.request
@@ -71,6 +72,23 @@ def test_health_serving_and_metrics(
     )
     # Liveness does not follow Redis: a Redis outage must not get every replica restarted.
     assert health(sync.address, "") == health_pb2.HealthCheckResponse.SERVING
+    # Its loops retry several times a second; the log says so once, not at each retry.
+    time.sleep(3.0)
+
+    def events() -> list[str]:
+        return [json.loads(line)["event"] for line in sync.log_path.read_text().splitlines()]
+
+    for retrying in ("watch_interrupted", "ownership_tick_failed"):
+        assert events().count(retrying) == 1, (retrying, events().count(retrying))
+    redis_server.start()
+    wait_until(
+        lambda: health(sync.address) == health_pb2.HealthCheckResponse.SERVING,
+        what="SERVING after Redis came back",
+    )
+    wait_until(
+        lambda: {"watch_resumed", "ownership_tick_resumed"} <= set(events()),
+        what="the end of the outage logged",
+    )
 
 
 def test_quorum_two_of_three_and_a_late_update_is_folded_into_the_next_round(
