@@ -12,7 +12,9 @@ import grpc
 import numpy as np
 import pytest
 import redis
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 
 from cluster.processes import synchronizer_child
 from cluster.redis_server import RedisServer
@@ -89,6 +91,28 @@ def test_health_serving_and_metrics(
         lambda: {"watch_resumed", "ownership_tick_resumed"} <= set(events()),
         what="the end of the outage logged",
     )
+
+
+def test_log_lines_name_who_wrote_them(spawn_synchronizer: SpawnSynchronizer) -> None:
+    """Bound once per session (structlog's contextvars), not passed at each call: a
+    replica's lines name it and its job; a learner's session thread names its slot,
+    incarnation and job."""
+    sync = spawn_synchronizer()
+    with capture_logs([structlog.contextvars.merge_contextvars]) as lines:
+        client = support.client([sync.address], "l-named")
+        sync.stop(timeout_s=10)
+        wait_until(
+            lambda: any(line["event"] == "session_broken" for line in lines),
+            what="the learner logging its broken session",
+        )
+        client.close()
+    broken = next(line for line in lines if line["event"] == "session_broken")
+    assert broken["learner"] == "l-named"
+    assert broken["incarnation"] == client.incarnation
+    assert broken["job"] == "default"
+    for line in sync.log_path.read_text().splitlines():
+        fields = json.loads(line)
+        assert (fields["replica"], fields["job"]) == (sync.name, "default"), fields
 
 
 def test_quorum_two_of_three_and_a_late_update_is_folded_into_the_next_round(
