@@ -114,17 +114,19 @@ def test_prometheus_sees_every_process_and_agrees_with_the_report_on_goodput(
         report = json.loads(report_path.read_text())
         end = time.time()
         time.sleep(1.5)  # let the last scrape land in the database
+        # The file's job labels win over the scrape config's job_name, as the alert rules
+        # expect them.
         slots = {
-            (r["metric"]["role"], r["metric"].get("slot", ""))
+            (r["metric"]["job"], r["metric"].get("slot", ""))
             for r in query(port, "max_over_time(up[10m])", end)
         }
         assert slots == {
-            ("cluster", ""),
-            ("synchronizer", "synchronizer-0"),
-            ("synchronizer", "synchronizer-1"),
-            ("learner", "learner-0"),
-            ("learner", "learner-1"),
-            ("learner", "learner-2"),
+            ("atoll-up", ""),
+            ("atoll-synchronizer", "synchronizer-0"),
+            ("atoll-synchronizer", "synchronizer-1"),
+            ("atoll-learner", "learner-0"),
+            ("atoll-learner", "learner-1"),
+            ("atoll-learner", "learner-2"),
         }
         useful = scalar(port, "sum(max_over_time(atoll_useful_seconds_total[10m]))", end)
         provisioned = scalar(port, "sum(max_over_time(atoll_provisioned_seconds_total[10m]))", end)
