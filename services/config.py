@@ -157,9 +157,10 @@ CLI_HELP = SettingsConfigDict(cli_hide_none_type=True, cli_avoid_json=True)
 
 
 class HelpFormat(CliSettingsSource[Any]):
-    """`--help` in a user's words: `PATH` for a path, `X,...` for a list of X. A default that
-    means "unset" (None, "", False, an empty list) is not shown: the description says what
-    happens when the flag is not given. A computed default is left to the description."""
+    """`--help` in a user's words: `PATH` for a path, `X,...` for a list of X and its default
+    as the flag takes it (`a,b`). A default that means "unset" (None, "", False, an empty
+    list) is not shown: the description says what happens when the flag is not given. A
+    computed default is left to the description."""
 
     def _metavar_format(self, obj: Any) -> str:
         text = super()._metavar_format(obj)
@@ -178,13 +179,14 @@ class HelpFormat(CliSettingsSource[Any]):
         env_var_names: tuple[str, ...] = (),
     ) -> str:
         default = field_info.default
-        means_unset = default is None or default is False or default == ""
+        means_unset = default is None or default is False or default == "" or default == []
+        listed = isinstance(default, list | tuple) and bool(default)  # shown here, not by repr
         computed = field_info.default_factory is not None  # an empty list or a function
         shown_default = (
             model_default not in (PydanticUndefined, None)
             or is_model_suppressed
             or self._is_field_suppressed(field_info)
-            or not (means_unset or computed)
+            or not (means_unset or computed or listed)
         )
         if shown_default:
             return str(
@@ -192,7 +194,10 @@ class HelpFormat(CliSettingsSource[Any]):
                     field_name, field_info, model_default, is_model_suppressed, env_var_names
                 )
             )
-        text = self._help_format_env_vars(field_info.description or "", env_var_names)
+        text = field_info.description or ""
+        if listed:
+            text += f" (default: {','.join(str(x) for x in default)})"
+        text = self._help_format_env_vars(text, env_var_names)
         return text.replace("%", "%%")  # argparse formats help with %
 
 

@@ -14,7 +14,8 @@ COMMANDS = (
     + [(name.replace("_", "-"),) for name in Atoll.model_fields if name != "bench"]
     + [("bench", name.replace("_", "-")) for name in BenchCommand.model_fields]
 )
-# What argparse would print for a pydantic type or for a default that means "unset".
+# What argparse would print for a pydantic type, a list default or a default that means
+# "unset".
 UNREADABLE = (
     "null",
     "list[",
@@ -23,7 +24,7 @@ UNREADABLE = (
     "(default: None)",
     "(default: )",
     "(default: False)",
-    "(default: [])",
+    "(default: [",  # a list as Python writes it; the flag takes a,b
     "(default: none)",
 )
 
