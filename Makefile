@@ -9,10 +9,14 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# First use installs atoll and its dependencies (JAX among them) into .venv: say so, and let
+# pip show each package as it comes, not a silent minute or more.
 $(STAMP): pyproject.toml
+	@echo "atoll: setting up $(VENV) (first use, or pyproject.toml changed): atoll, JAX and the dev tools"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install -e '.[dev]'
+	@echo "atoll: $(VENV) ready"
 	touch $(STAMP)
 
 proto: $(STAMP)  ## regenerate services/gen from proto/

@@ -146,7 +146,9 @@ class QualityBench(_Model, _Output):
         "are computed over both)",
     )
     lr: float | None = Field(None, gt=0.0, description="inner AdamW peak lr; unset: learner's")
-    warmup_steps: int | None = Field(None, ge=0, description="inner warm-up steps")
+    warmup_steps: int | None = Field(
+        None, ge=0, description="inner warm-up steps; unset: the learner's"
+    )
     outer_lr: float | None = Field(None, gt=0.0, description="outer lr; unset: the job's")
     outer_momentum: float | None = Field(
         None, ge=0.0, lt=1.0, description="outer Nesterov momentum; unset: the job's"

@@ -53,7 +53,10 @@ class ExportSettings(AtollSettings):
         "builtin", description="the learners' --model: 'builtin' or their 'module:function'"
     )
     heads: int | None = Field(
-        None, ge=1, description="the built-in model's attention heads (the learners' --heads)"
+        None,
+        ge=1,
+        description="the built-in model's attention heads (the learners' --heads); needed for "
+        "the built-in model, which cannot read it from the job",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="the learners' compute --dtype, recorded for `atoll eval`"

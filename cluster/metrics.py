@@ -2,11 +2,14 @@
 Prometheus in a file_sd JSON file.
 
 Each target carries stable labels: `slot` (learner-0, synchronizer-1: the same across
-restarts, which come back on the same port), `role` (learner, synchronizer, cluster) and
-`pool` (the learner pool; `main` under `atoll up`). The file is rewritten whenever a process
-is launched, so Prometheus follows restarts and scaling. The `cluster` target is `atoll up`
-itself: it exports `atoll_provisioned_seconds_total{slot}` for every learner slot, dead and
-restarting time included, which a learner cannot export while it is down.
+restarts, which come back on the same port), `role` (learner, synchronizer, cluster),
+`pool` (the learner pool; `main` under `atoll up`) and `job` as the chart's monitors set it
+(atoll-learner, atoll-synchronizer; atoll-up for the cluster tool), which the alert rules
+select on and which wins over the scrape config's `job_name`. The file is rewritten
+whenever a process is launched, so Prometheus follows restarts and scaling. The `cluster`
+target is `atoll up` itself: it exports `atoll_provisioned_seconds_total{slot}` for every
+learner slot, dead and restarting time included, which a learner cannot export while it is
+down.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 POOL = "main"
+JOBS = {"learner": "atoll-learner", "synchronizer": "atoll-synchronizer", "cluster": "atoll-up"}
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,7 @@ class Target:
     slot: str = ""
 
     def as_file_sd(self) -> dict[str, object]:
-        labels = {"role": self.role}
+        labels = {"job": JOBS[self.role], "role": self.role}
         if self.slot:
             labels |= {"slot": self.slot}
         if self.role == "learner":

@@ -18,14 +18,23 @@ def test_file_sd_gives_every_target_stable_labels(tmp_path: Path) -> None:
     )
     groups = json.loads(path.read_text())
     assert groups == [
-        {"targets": ["127.0.0.1:9000"], "labels": {"role": "cluster"}},
+        {"targets": ["127.0.0.1:9000"], "labels": {"job": "atoll-up", "role": "cluster"}},
         {
             "targets": ["127.0.0.1:9001"],
-            "labels": {"role": "synchronizer", "slot": "synchronizer-0"},
+            "labels": {
+                "job": "atoll-synchronizer",
+                "role": "synchronizer",
+                "slot": "synchronizer-0",
+            },
         },
         {
             "targets": ["127.0.0.1:9002"],
-            "labels": {"role": "learner", "slot": "learner-0", "pool": "main"},
+            "labels": {
+                "job": "atoll-learner",
+                "role": "learner",
+                "slot": "learner-0",
+                "pool": "main",
+            },
         },
     ]
     assert not list(tmp_path.glob("*.tmp"))  # written whole, then moved in place

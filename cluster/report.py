@@ -195,6 +195,8 @@ def build_report(
 PER_LEARNER_KEYS = (
     "learner",
     "incarnation",
+    "incarnations",
+    "loss",
     "steps",
     "tokens",
     "eval_loss",

@@ -69,14 +69,18 @@ class LearnerSettings(ModelConfig, AtollSettings):
 
     synchronizer: list[str] = Field(
         default_factory=lambda: ["127.0.0.1:50051"],
-        description="synchronizer addresses HOST:PORT (repeat or comma-separate); tried in turn",
+        description="synchronizer addresses HOST:PORT (repeat or comma-separate); tried in turn; "
+        "default 127.0.0.1:50051",
     )
     route: list[str] = Field(
         default_factory=list,
         description="ADVERTISED=REACHABLE (repeat or comma-separate): reach a replica that "
         "advertises HOST:PORT at another HOST:PORT (a proxy, a NAT, a port forward)",
     )
-    id: str = Field(default_factory=socket.gethostname, description="stable learner slot name")
+    id: str = Field(
+        default_factory=socket.gethostname,
+        description="stable learner slot name; default: this host's name",
+    )
     job: str = Field("default", description="job to join (must match the synchronizer's)")
     token: str = Field(
         "", description="this slot's token (or the job's shared one), sent as a bearer token"

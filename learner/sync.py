@@ -409,7 +409,7 @@ class SyncEngine:
             if ack.status in (session_pb2.ACK_STATUS_COMMITTED, session_pb2.ACK_STATUS_DUPLICATE):
                 tm.GOODPUT.credit(compute / self.fragments)
                 continue
-            log.warning("update_refused", fragment=p, reason=ack.reason)
+            log.warning("update_refused", update=self._uid(seq), fragment=p, reason=ack.reason)
             self.add_badput("lost", compute / self.fragments)
             self._refetch.add(p)  # continue from the current global value
         self._fetch_refused()

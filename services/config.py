@@ -5,13 +5,14 @@ by `ATOLL_CONFIG` all map onto it, in that order of precedence (flags win).
 from __future__ import annotations
 
 import os
-import re
 import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
@@ -162,8 +163,10 @@ CLI_HELP = SettingsConfigDict(cli_hide_none_type=True, cli_avoid_json=True)
 
 
 class HelpFormat(CliSettingsSource[Any]):
-    """`--help` in a user's words: `PATH` for a path, `X,...` for a list of X, a list's
-    empty default as `(default: none)`; a computed default is left to the description."""
+    """`--help` in a user's words: `PATH` for a path, `X,...` for a list of X and its default
+    as the flag takes it (`a,b`). A default that means "unset" (None, "", False, an empty
+    list) is not shown: the description says what happens when the flag is not given. A
+    computed default is left to the description."""
 
     def _metavar_format(self, obj: Any) -> str:
         text = super()._metavar_format(obj)
@@ -173,10 +176,35 @@ class HelpFormat(CliSettingsSource[Any]):
             return f"{text[5:-1]},..."
         return text
 
-    def _help_format(self, *args: Any, **kwargs: Any) -> str:
-        text: str = super()._help_format(*args, **kwargs)
-        text = text.replace("(default factory: list)", "(default: none)")
-        return re.sub(r" ?\(default factory: [^)]*\)", "", text)  # the description says
+    def _help_format(
+        self,
+        field_name: str,
+        field_info: FieldInfo,
+        model_default: Any,
+        is_model_suppressed: bool,
+        env_var_names: tuple[str, ...] = (),
+    ) -> str:
+        default = field_info.default
+        means_unset = default is None or default is False or default == "" or default == []
+        listed = isinstance(default, list | tuple) and bool(default)  # shown here, not by repr
+        computed = field_info.default_factory is not None  # an empty list or a function
+        shown_default = (
+            model_default not in (PydanticUndefined, None)
+            or is_model_suppressed
+            or self._is_field_suppressed(field_info)
+            or not (means_unset or computed or listed)
+        )
+        if shown_default:
+            return str(
+                super()._help_format(
+                    field_name, field_info, model_default, is_model_suppressed, env_var_names
+                )
+            )
+        text = field_info.description or ""
+        if listed:
+            text += f" (default: {','.join(str(x) for x in default)})"
+        text = self._help_format_env_vars(text, env_var_names)
+        return text.replace("%", "%%")  # argparse formats help with %
 
 
 class AtollSettings(BaseSettings):
@@ -240,7 +268,9 @@ class SynchronizerSettings(JobConfig, AtollSettings):
     metrics_listen: str = Field(
         "127.0.0.1:9400", description="HOST:PORT serving Prometheus /metrics (port 0: any)"
     )
-    replica_id: str = Field(default_factory=default_replica_id, description="this replica's name")
+    replica_id: str = Field(
+        default_factory=default_replica_id, description="this replica's name; default: HOST-PID"
+    )
     lease_ttl_s: float = Field(
         10.0, gt=0.0, description="a learner is dead after this long without a heartbeat"
     )

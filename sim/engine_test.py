@@ -71,3 +71,18 @@ def test_elastic_failures_share_re_shards_and_spares_ride_on_them() -> None:
     # A small job whose spare is an eighth of it waits until waiting costs a re-shard.
     small = simulate(SHORT.with_changes(chip_mtbi_years=0.01), "elastic_dp", 2048)
     assert small.events["grow_reshards"] > 0
+
+
+# The paper's goodput table (%, per-chip mean time between interruptions one year) at CHIPS.
+PUBLISHED: dict[tuple[Mode, int], list[float]] = {
+    ("dp", 1): [72, 57, 38, 27, 18],
+    ("decoupled", 8): [98, 96, 94, 88, 80],
+}
+
+
+@pytest.mark.parametrize(("mode", "learners"), list(PUBLISHED))
+def test_the_calibrated_rows_are_within_3_points_of_the_paper(mode: Mode, learners: int) -> None:
+    """`atoll sim --table`'s defaults (seed 0, 14 days), as docs/simulator.md shows them."""
+    simulated = [100 * simulate(DEFAULT, mode, chips, learners, seed=0).goodput for chips in CHIPS]
+    for chips, ours, paper in zip(CHIPS, simulated, PUBLISHED[mode, learners], strict=True):
+        assert abs(ours - paper) <= 3.0, (mode, chips, round(ours, 1), paper)

@@ -20,6 +20,7 @@ import xxhash
 
 from services.config import JobConfig
 from services.layout import FragmentLayout
+from services.outage import OutageLog
 from services.tape import Tape
 from synchronizer.owner import FragmentOwner
 from synchronizer.store import ControlStore
@@ -74,11 +75,13 @@ class Ownership:
         self._stopping = False
 
     async def run_forever(self) -> None:
+        outage = OutageLog(log, "ownership_tick_failed", "ownership_tick_resumed")
         while not self._stopping:
             try:
                 await self.tick()
+                outage.succeeded()
             except Exception as err:  # Redis away: leases lapse by themselves; try again
-                log.warning("ownership_tick_failed", error=str(err))
+                outage.failed(err)
             await asyncio.sleep(TICK_S)
 
     async def tick(self) -> None:
@@ -143,18 +146,20 @@ class Ownership:
         EVALUATE_EVERY_S (grace windows end, learners die or finish)."""
         from synchronizer.owner import EVALUATE_EVERY_S, OwnerLost
 
+        outage = OutageLog(log, "round_failed", "round_resumed", fragment=owner.fragment)
         while not owner.lost:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(owner.wake.wait(), EVALUATE_EVERY_S)
             owner.wake.clear()
             try:
                 await owner.evaluate(await self.store.live())
+                outage.succeeded()
             except OwnerLost:
                 return
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # Redis or the tensor store away: try again
-                log.warning("round_failed", fragment=owner.fragment, error=str(err))
+                outage.failed(err)
                 await asyncio.sleep(EVALUATE_EVERY_S)
 
     async def stop(self) -> None:

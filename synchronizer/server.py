@@ -37,7 +37,6 @@ async def _watch_store(store: ControlStore, health_servicer: HealthServicer) -> 
     replica restarted."""
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    await health_servicer.set("", serving)
     while True:
         try:
             up = await asyncio.wait_for(store.ping(), timeout=2.0)
@@ -125,6 +124,10 @@ async def serve(settings: SynchronizerSettings) -> None:
 
     server.add_generic_rpc_handlers((service.handler(),))
     health_servicer = HealthServicer()
+    # Live from the start; ready once `_watch_store` has seen Redis answer (never NOT_FOUND,
+    # which a probe asking between the start and the first ping would get).
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (

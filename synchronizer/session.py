@@ -25,6 +25,7 @@ from services import telemetry as tm
 from services.config import SynchronizerSettings
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
+from services.outage import OutageLog
 from services.tape import Tape
 from services.wire import segments_header
 from synchronizer import admission, auth
@@ -379,13 +380,15 @@ class Sessions:
     # --- keeping learners up to date ------------------------------------------------------
     async def watch_forever(self) -> None:
         """Follow the fragments' versions and owners; tell the learners this replica serves."""
+        outage = OutageLog(log, "watch_interrupted", "watch_resumed")
         while True:
             try:
                 await self.watch()
+                outage.succeeded()
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # Redis or the tensor store away: keep trying
-                log.warning("watch_interrupted", error=repr(err))
+                outage.failed(err)
                 await asyncio.sleep(0.5)
             await asyncio.sleep(WATCH_S)
 

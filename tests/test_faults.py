@@ -36,6 +36,11 @@ def test_a_killed_learner_rejoins_and_its_later_updates_are_merged(tmp_path: Pat
     incarnations = victim["merged_by_incarnation"]
     assert len(incarnations) >= 2, incarnations  # updates from before and after the kill
     assert incarnations.get(victim["incarnation"], 0) >= 1  # the new incarnation's too
+    # The report covers both incarnations: the slot's loss starts where its first did.
+    assert victim["incarnations"] == 2
+    first = json.loads((tmp_path / "w" / "learner-1.1.summary.json").read_text())
+    assert first["partial"]
+    assert victim["loss"]["initial"] == first["loss"]["initial"]
     joins = [e for e in report["_tape"] if e["kind"] == "joined" and e["who"] == "learner-1"]
     assert len(joins) == 2
     assert joins[1]["step"] > 0  # it went on from its step count, not from zero

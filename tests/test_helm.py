@@ -1,7 +1,7 @@
 """The Helm chart, checked offline: strict lint; rendering with the Helm SDK for the default
 values, every example overlay and every `helm install` / `helm upgrade` command that
-docs/deploy.md shows, exactly as written; each manifest validated against Kubernetes 1.29 to
-1.32; bad values refused by the schema."""
+docs/deploy.md and docs/security.md show, exactly as written; each manifest validated
+against Kubernetes 1.29 to 1.32; bad values refused by the schema."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from services.codec import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "atoll"
-DEPLOY_DOC = ROOT / "docs" / "deploy.md"
+HELM_DOCS = [ROOT / "docs" / "deploy.md", ROOT / "docs" / "security.md"]
 OVERLAYS = sorted((CHART / "examples").glob("values-*.yaml"))
 KUBE_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0"]
 # CRDs (Prometheus operator, cert-manager): no upstream schema to validate against.
@@ -64,6 +64,7 @@ class HelmCommand:
     """One `helm install` or `helm upgrade` line of the docs, as Helm would read it."""
 
     text: str
+    doc: str = ""  # the page that shows it
     verb: str = ""
     release: str = ""
     namespace: str = "default"
@@ -105,12 +106,14 @@ class HelmCommand:
 
 
 def documented_commands() -> list[HelmCommand]:
-    """Every helm install/upgrade in docs/deploy.md's sh blocks, continuation lines joined."""
+    """Every helm install/upgrade in the docs' sh blocks, continuation lines joined."""
     commands = []
-    for block in re.findall(r"```sh\n(.*?)```", DEPLOY_DOC.read_text(), re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            if re.match(r"\s*helm (install|upgrade) ", line):
-                commands.append(HelmCommand.parse(line.strip()))
+    for doc in HELM_DOCS:
+        for block in re.findall(r"```sh\n(.*?)```", doc.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                if re.match(r"\s*helm (install|upgrade) ", line):
+                    commands.append(HelmCommand.parse(line.strip()))
+                    commands[-1].doc = doc.name
     return commands
 
 
@@ -167,6 +170,7 @@ def test_every_rendering_is_valid_kubernetes(values: Path | None, kube: str) -> 
 def test_the_docs_show_installs_upgrades_and_the_pool_map() -> None:
     texts = [c.text for c in COMMANDS]
     assert {c.verb for c in COMMANDS} == {"install", "upgrade"}, texts
+    assert {c.doc for c in COMMANDS} == {doc.name for doc in HELM_DOCS}
     assert any("--set 'learnerPools.main.replicas=4'" in t for t in texts), texts
     for overlay_file in OVERLAYS:
         assert any(overlay_file in c.files for c in COMMANDS), overlay_file.name
@@ -230,7 +234,10 @@ def test_defaults_give_synchronizers_a_pool_and_redis() -> None:
     ]
     sync = next(d for d in docs if d["kind"] == "Deployment")
     container = sync["spec"]["template"]["spec"]["containers"][0]
+    # Readiness asks the service, which follows Redis; liveness asks the whole server, which
+    # does not (a Redis outage must not restart every replica).
     assert container["readinessProbe"]["grpc"]["service"] == "atoll.v1.Synchronizer"
+    assert container["livenessProbe"]["grpc"].get("service", "") == ""
     assert "--redis-url=redis://atoll-redis:6379/0" in container["args"]
     # Replicas share one tensor store (a ReadWriteMany claim by default) and advertise the
     # address learners send each owned fragment's updates to.

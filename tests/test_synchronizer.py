@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 import urllib.request
@@ -11,7 +12,9 @@ import grpc
 import numpy as np
 import pytest
 import redis
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 
 from cluster.processes import synchronizer_child
 from cluster.redis_server import RedisServer
@@ -71,6 +74,45 @@ def test_health_serving_and_metrics(
     )
     # Liveness does not follow Redis: a Redis outage must not get every replica restarted.
     assert health(sync.address, "") == health_pb2.HealthCheckResponse.SERVING
+    # Its loops retry several times a second; the log says so once, not at each retry.
+    time.sleep(3.0)
+
+    def events() -> list[str]:
+        return [json.loads(line)["event"] for line in sync.log_path.read_text().splitlines()]
+
+    for retrying in ("watch_interrupted", "ownership_tick_failed"):
+        assert events().count(retrying) == 1, (retrying, events().count(retrying))
+    redis_server.start()
+    wait_until(
+        lambda: health(sync.address) == health_pb2.HealthCheckResponse.SERVING,
+        what="SERVING after Redis came back",
+    )
+    wait_until(
+        lambda: {"watch_resumed", "ownership_tick_resumed"} <= set(events()),
+        what="the end of the outage logged",
+    )
+
+
+def test_log_lines_name_who_wrote_them(spawn_synchronizer: SpawnSynchronizer) -> None:
+    """Bound once per session (structlog's contextvars), not passed at each call: a
+    replica's lines name it and its job; a learner's session thread names its slot,
+    incarnation and job."""
+    sync = spawn_synchronizer()
+    with capture_logs([structlog.contextvars.merge_contextvars]) as lines:
+        client = support.client([sync.address], "l-named")
+        sync.stop(timeout_s=10)
+        wait_until(
+            lambda: any(line["event"] == "session_broken" for line in lines),
+            what="the learner logging its broken session",
+        )
+        client.close()
+    broken = next(line for line in lines if line["event"] == "session_broken")
+    assert broken["learner"] == "l-named"
+    assert broken["incarnation"] == client.incarnation
+    assert broken["job"] == "default"
+    for line in sync.log_path.read_text().splitlines():
+        fields = json.loads(line)
+        assert (fields["replica"], fields["job"]) == (sync.name, "default"), fields
 
 
 def test_quorum_two_of_three_and_a_late_update_is_folded_into_the_next_round(
