@@ -133,6 +133,8 @@ def planned(settings: QualityBench) -> list[tuple[str, list[str]]]:
             for codec in settings.codecs:
                 both = ["--codec", codec, "--downlink-codec", codec]
                 decoupled = [*at_h, "--mode", "decoupled", "--no-shared-budget", *both]
+                if settings.quorum is not None:
+                    decoupled += ["--quorum", str(settings.quorum)]
                 out.append((f"decoupled-{codec}-h{h}", decoupled))
     return out
 

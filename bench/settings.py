@@ -150,6 +150,9 @@ class QualityBench(_Model, _Output):
         None, ge=0, description="inner warm-up steps; unset: the learner's"
     )
     outer_lr: float | None = Field(None, gt=0.0, description="outer lr; unset: the job's")
+    quorum: int | None = Field(
+        None, ge=1, description="K of the decoupled runs; unset: the job's (1)"
+    )
     outer_momentum: float | None = Field(
         None, ge=0.0, lt=1.0, description="outer Nesterov momentum; unset: the job's"
     )
