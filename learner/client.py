@@ -249,6 +249,11 @@ class SynchronizerClient:
         """The owner map, as the session (of this or another process) told it."""
         self._on_owners(owners)
 
+    def final_acks(self) -> dict[int, session_pb2.Ack]:
+        """The final acks so far, by seq (a copy)."""
+        with self._lock:
+            return dict(self.stats.acks)
+
     def settle(self, ack: session_pb2.Ack) -> None:
         """An update's final ack, as the session (of this or another process) got it."""
         with self._lock:
@@ -475,7 +480,7 @@ class SynchronizerClient:
         for seq in sorted(self._unacked):
             out = self._unacked[seq]
             owner = self.owners.get(out.fragment)
-            if owner is None or seq in self._sending:
+            if owner is None or seq in self._sending or not out.chunks:  # others send it
                 continue
             if out.received_epoch is None or out.received_epoch != owner.epoch:
                 return out, owner

@@ -148,7 +148,7 @@ class InnerLoop:
             params = jax.device_put(self.workload.initial(), self.param_shardings)
             log.info("standalone", learner=self.settings.id)
         else:
-            params = self.sync.join(self.workload.initial, self.param_shardings)
+            params = self.sync.join(self.workload.make, self.param_shardings)
         self._compile()
         restored = None
         if self.sync is not None and self.settings.checkpoint_every:
@@ -365,12 +365,15 @@ class InnerLoop:
             "bytes": synced.get("bytes", {"up": 0, "down": 0}),
             "reconnects": synced.get("reconnects", 0),
             "data_position": self.workload.batches.position,
+            **({"shards": synced["shards"]} if "shards" in synced else {}),
         }
 
     # --- where a learner slot stands: survives restarts ------------------------------------
     def _position_file(self) -> Path | None:
         state_dir = self.settings.state_dir
-        return None if state_dir is None else state_dir / f"{self.settings.id}.position.json"
+        if state_dir is None or jax.process_index():  # one learner, one file: process 0's
+            return None
+        return state_dir / f"{self.settings.id}.position.json"
 
     def _load_position(self) -> None:
         """A new incarnation of this slot goes on from where the last one stopped: the same

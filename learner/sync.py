@@ -401,7 +401,7 @@ class SyncEngine:
                 still.append(job)
         self._encoding = still
         for seq in list(self.pending_acks):
-            ack = self.client.stats.acks.get(seq)
+            ack = self._final_ack(seq)
             if ack is None:
                 continue
             p, compute = self.pending_acks.pop(seq)
@@ -414,6 +414,10 @@ class SyncEngine:
             self.add_badput("lost", compute / self.fragments)
             self._refetch.add(p)  # continue from the current global value
         self._fetch_refused()
+
+    def _final_ack(self, seq: int) -> session_pb2.Ack | None:
+        """An update's final ack, once it has one."""
+        return self.client.stats.acks.get(seq)
 
     def _fetch_refused(self) -> None:
         """Adopt the current global value of fragments whose update was refused; if no
@@ -502,10 +506,7 @@ class SyncEngine:
             self._drain_acks()
             self.heartbeat(done=True)
             tm.GOODPUT.end()
-            linger_until = time.monotonic() + self.settings.linger_s
-            while time.monotonic() < linger_until and not self.stop_requested.is_set():
-                self._apply_arrivals(timeout=0.2)
-                self.heartbeat(done=True)
+            self._linger()
             self._apply_arrivals(timeout=0.5)
             # Training is over: nothing local is left to lose: take the newest global values.
             for p, f in enumerate(self.outer.fragments):
@@ -515,6 +516,13 @@ class SyncEngine:
             return self.named.unflatten(self._flat)
         finally:
             self._flat = {}
+
+    def _linger(self) -> None:
+        """Keep taking new global values for --linger-s (or until stopped)."""
+        linger_until = time.monotonic() + self.settings.linger_s
+        while time.monotonic() < linger_until and not self.stop_requested.is_set():
+            self._apply_arrivals(timeout=0.2)
+            self.heartbeat(done=True)
 
     def done(self, eval_loss: float | None = None) -> None:
         """The last heartbeat: this learner is done (with its final eval loss, if any)."""
