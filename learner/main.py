@@ -74,8 +74,8 @@ def run(settings: LearnerSettings) -> None:
     settings, joined, children = start_processes(settings)
     try:
         train(settings, joined)
-    finally:
         joined.leave()  # every process at once: before waiting for the ones started here
+    finally:
         for child in children:  # they stop with this process: wait for them a while
             try:
                 child.wait(timeout=60)
