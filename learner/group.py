@@ -72,6 +72,7 @@ class Group:
             jax.distributed.shutdown()  # type: ignore[no-untyped-call]
 
     def forget(self, key: str) -> None:
+        """Drop `key` and every key under `key/`."""
         assert self.store is not None
         self.store.key_value_delete(f"atoll/{key}")
 

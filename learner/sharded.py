@@ -58,6 +58,9 @@ from services.tape import Tape
 
 log = structlog.get_logger("atoll.learner")
 TICK_WAIT_S = 0.05  # a waiting leader publishes a tick at least this often
+# Ticks are kept in blocks of this many; the block before the last is dropped as a new one
+# starts (the processes' steps keep them within a step or two of each other).
+TICKS_KEPT = 1000
 FETCH_TIMEOUT_S = 300.0  # a process whose fetch of a named version has not come gives up
 
 
@@ -332,11 +335,14 @@ class ShardedSyncEngine(SyncEngine):
         """One decision for every process; returns (whether a reply was adopted, whether
         to stop waiting)."""
         n = next(self._ticks)
+        key = f"tick/{n // TICKS_KEPT}/{n}"
         if self.group.leader:
             verdict = self._decide(wait, halt)
-            self.group.publish(f"tick/{n}", verdict)
+            self.group.publish(key, verdict)
+            if n % TICKS_KEPT == 0 and n >= 2 * TICKS_KEPT:  # read long ago by every process
+                self.group.forget(f"tick/{n // TICKS_KEPT - 2}")
         else:
-            verdict = self.group.read(f"tick/{n}")
+            verdict = self.group.read(key)
         for raw in verdict["acks"]:
             ack = session_pb2.Ack.FromString(bytes.fromhex(raw))
             self._final[ack.seq] = ack
