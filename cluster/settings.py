@@ -67,6 +67,15 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         description="pin learner i to GPUs [i*g, (i+1)*g) through CUDA_VISIBLE_DEVICES (one "
         "learner per GPU: 1); 0: every learner sees every device",
     )
+    processes_per_learner: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="processes each learner slot runs as (atoll learner --processes N "
+        "--local-processes): one model sharded over all their devices, each process sending "
+        "and receiving only its own shard; on GPUs one GPU each (the slot's --gpus-per-learner, "
+        "by default this many); needs --merge mean",
+    )
     batch_sizes: list[int] = Field(
         default_factory=list,
         description="per-learner batch size (sequences per step), e.g. 16,16,16,4; default "

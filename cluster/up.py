@@ -31,6 +31,7 @@ from cluster.metrics import Target, free_port, write_file_sd
 from cluster.processes import (
     Child,
     SynchronizerChild,
+    accelerators_present,
     atoll_command,
     child_env,
     gpu_pinning,
@@ -322,15 +323,32 @@ class LocalCluster:
             "--log-every",
             str(self.s.log_every),
             *self.metrics_args(name),
+            *self.processes_args(),
         )
         env = child_env(self.s.threads, self.devices(i), accelerators=True)
         return Child(name, args, self.workdir / f"{name}.log", env)
 
+    def processes_args(self) -> list[str]:
+        """A slot of several processes: its first starts the others (one GPU each)."""
+        n = self.s.processes_per_learner
+        if n == 1:
+            return []
+        if self.s.merge != "mean":
+            raise ValueError(
+                "--processes-per-learner: each process sends its own part of an update, which "
+                "only --merge mean can sum part by part"
+            )
+        return ["--processes", str(n), "--local-processes"]
+
     def devices(self, learner: int) -> dict[str, str]:
-        """Learner i's GPUs with --gpus-per-learner; without it every learner sees every
-        device, so none may take most of a GPU's memory up front."""
-        if self.s.gpus_per_learner:
-            return gpu_pinning(learner, self.s.gpus_per_learner)
+        """Learner i's GPUs with --gpus-per-learner (a slot of several processes: one each,
+        by default); without it every learner sees every device, so none may take most of a
+        GPU's memory up front."""
+        per = self.s.gpus_per_learner
+        if not per and self.s.processes_per_learner > 1 and accelerators_present():
+            per = self.s.processes_per_learner
+        if per:
+            return gpu_pinning(learner, per)
         return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if self.slots_ever > 1 else {}
 
     # --- scaling --------------------------------------------------------------------------

@@ -56,6 +56,17 @@ class GlobalFragment:
     values: np.ndarray
 
 
+@dataclass(frozen=True)
+class RangeValues:
+    """Some value ranges of a fragment at one version, back to back in range order;
+    `checksum`: the whole value's, as the commit log records it."""
+
+    fragment: int
+    version: int
+    values: np.ndarray
+    checksum: int
+
+
 @dataclass(eq=False)
 class _Outgoing:
     """An update kept until committed (or refused, or, for initial values, taken)."""
@@ -155,10 +166,13 @@ class SynchronizerClient:
         max_backoff_s: float = 5.0,
         connect_timeout_s: float = 30.0,
         routes: Mapping[str, str] | None = None,
+        version_notices: bool = False,
     ) -> None:
         """`credentials`: TLS (services.tls.learner_credentials); None: plaintext. `token`
         goes with every call as `authorization: Bearer` (per-slot or the job's). `routes`:
-        advertised owner address -> the address this learner reaches it at."""
+        advertised owner address -> the address this learner reaches it at.
+        `version_notices`: the session is told new versions (into `notices`) instead of being
+        sent their values (a learner of several processes fetches its ranges itself)."""
         if not addresses:
             raise ValueError("give at least one synchronizer address HOST:PORT")
         self.addresses = list(addresses)
@@ -176,6 +190,8 @@ class SynchronizerClient:
         self.welcome: session_pb2.Welcome | None = None
         self.job_status: session_pb2.JobStatus | None = None  # newest, when the job has a budget
         self.fragments: queue.Queue[GlobalFragment] = queue.Queue()
+        self.version_notices = version_notices
+        self.notices: queue.Queue[tuple[int, int]] = queue.Queue()  # (fragment, version)
         self.known_versions: dict[int, int] = {}
         # The newest global value held per fragment, exactly as the synchronizer holds it:
         # deltas apply onto it (services.downlink).
@@ -201,12 +217,7 @@ class SynchronizerClient:
         """Open the session (in the background, reconnecting as needed); return the welcome."""
         self._thread = threading.Thread(target=self._run, name="atoll-session", daemon=True)
         self._thread.start()
-        self._ingesters = [
-            threading.Thread(target=self._ingest, name=f"atoll-ingest-{i}", daemon=True)
-            for i in range(INGEST_CALLS)
-        ]
-        for thread in self._ingesters:
-            thread.start()
+        self._start_ingest()
         if not self._connected.wait(self.connect_timeout_s):
             self.close()
             if self._fatal is not None:
@@ -219,6 +230,34 @@ class SynchronizerClient:
             raise self._fatal
         assert self.welcome is not None
         return self.welcome
+
+    def connect_data(self) -> None:
+        """Send updates and fetch values without a session of its own: another process of
+        this learner holds the session and hands on what it says (`set_owners`, `settle`)."""
+        self._channel = self._open_channel(self.addresses[0])
+        self._start_ingest()
+
+    def _start_ingest(self) -> None:
+        self._ingesters = [
+            threading.Thread(target=self._ingest, name=f"atoll-ingest-{i}", daemon=True)
+            for i in range(INGEST_CALLS)
+        ]
+        for thread in self._ingesters:
+            thread.start()
+
+    def set_owners(self, owners: Sequence[session_pb2.FragmentOwner]) -> None:
+        """The owner map, as the session (of this or another process) told it."""
+        self._on_owners(owners)
+
+    def final_acks(self) -> dict[int, session_pb2.Ack]:
+        """The final acks so far, by seq (a copy)."""
+        with self._lock:
+            return dict(self.stats.acks)
+
+    def settle(self, ack: session_pb2.Ack) -> None:
+        """An update's final ack, as the session (of this or another process) got it."""
+        with self._lock:
+            self._finish(ack)
 
     def close(self) -> None:
         self._closed.set()
@@ -255,10 +294,15 @@ class SynchronizerClient:
         compute_seconds: float = 0.0,
         tensor_norms: Sequence[float] = (),
         kind: int = session_pb2.UPDATE_KIND_OUTER_GRADIENT,
+        seq: int | None = None,
+        part: int = 0,
+        parts: int = 0,
     ) -> int:
         """Queue one update; return its seq. It is sent to its fragment's owner, and again
-        to a new owner, until it is committed."""
-        seq = next(self._seq)
+        to a new owner, until it is committed. A process of a learner over several hosts
+        sends its part (`part` of `parts`, only its values' segments) under the `seq` every
+        process of the learner gives that update."""
+        seq = next(self._seq) if seq is None else seq
         segments = segments_of(payload, codec, num_elements)
         header = segments_header(fragment, codec, block_size, num_elements, segments)
         chunks = []
@@ -276,6 +320,8 @@ class SynchronizerClient:
                 value_count=s.count,
                 learner_id=self.learner_id,
                 incarnation=self.incarnation,
+                part=part,
+                parts=parts,
             )
             chunk.header.CopyFrom(header)
             if i == 0:
@@ -297,6 +343,43 @@ class SynchronizerClient:
             num_elements=flat.size,
             kind=session_pb2.UPDATE_KIND_INITIAL,
         )
+
+    def fetch_ranges(
+        self,
+        ranges: Mapping[int, Sequence[tuple[int, int]]],
+        versions: Mapping[int, int] | None = None,
+    ) -> list[RangeValues]:
+        """The values of `ranges` ((offset, count) pairs, increasing) of each fragment, at
+        `versions` (absent: the current one), each fragment's checked against its checksum."""
+        assert self._channel is not None, "connect() first"
+        fetch = self._method("unary_stream", "FetchState", fragment_pb2.GlobalFragmentChunk)
+        request = synchronizer_pb2.FetchStateRequest(
+            job=self.job, fragments=list(ranges), versions=dict(versions or {})
+        )
+        for p, wanted in ranges.items():
+            request.ranges[p].offsets.extend(o for o, _ in wanted)
+            request.ranges[p].counts.extend(c for _, c in wanted)
+        parts: dict[int, list[fragment_pb2.GlobalFragmentChunk]] = {}
+        for chunk in fetch(request, timeout=120, metadata=self._metadata):
+            parts.setdefault(chunk.header.fragment, []).append(chunk)
+        out = []
+        for p, wanted in ranges.items():
+            chunks = parts.get(p, [])
+            hasher = xxhash.xxh3_64()
+            for chunk in chunks:
+                hasher.update(chunk.data)
+            header = chunks[0].header if chunks else None
+            expected = [(int(c.value_offset), int(c.value_count)) for c in chunks]
+            if (
+                header is None
+                or len(chunks) != header.chunk_count
+                or hasher.intdigest() != header.checksum
+                or _joined(expected) != _joined(list(wanted))
+            ):
+                raise ValueError(f"fragment {p}: the ranges fetched are not those asked for")
+            values = np.frombuffer(b"".join(c.data for c in chunks), "<f4").astype(np.float32)
+            out.append(RangeValues(p, chunks[0].version, values, chunks[0].value_checksum))
+        return out
 
     def ingest_raw(self, chunks: Sequence[session_pb2.UpdateChunk]) -> session_pb2.Ack:
         """Send hand-built chunks as they are to their fragment's owner (protocol tests)."""
@@ -397,7 +480,7 @@ class SynchronizerClient:
         for seq in sorted(self._unacked):
             out = self._unacked[seq]
             owner = self.owners.get(out.fragment)
-            if owner is None or seq in self._sending:
+            if owner is None or seq in self._sending or not out.chunks:  # others send it
                 continue
             if out.received_epoch is None or out.received_epoch != owner.epoch:
                 return out, owner
@@ -527,6 +610,7 @@ class SynchronizerClient:
                     for p in self.params
                 ],
                 step=self.step,
+                version_notices=self.version_notices,
             )
         )
 
@@ -596,6 +680,8 @@ class SynchronizerClient:
                         self._deliver(got)
                 elif kind == "status":
                     self.job_status = message.status
+                elif kind == "version":
+                    self._notice(message.version.fragment, message.version.version)
                 if self._closed.is_set():
                     break
         finally:
@@ -627,7 +713,10 @@ class SynchronizerClient:
                 resent=pending,
                 moved=len(moved),
             )
-            if moved and welcome.initialized:
+            if moved and welcome.initialized and self.version_notices:
+                for p in moved:
+                    self._notice(p, welcome.versions[p])
+            elif moved and welcome.initialized:
                 for g in self.fetch_state(moved):
                     self.fragments.put(g)
         self._connected.set()
@@ -670,8 +759,24 @@ class SynchronizerClient:
         if held is None or got.version > held[0]:
             self._canonical[got.fragment] = (got.version, got.values)
 
+    def _notice(self, fragment: int, version: int) -> None:
+        if version > self.known_versions.get(fragment, -1):
+            self.known_versions[fragment] = version
+            self.notices.put((fragment, version))
+
     def _deliver(self, got: GlobalFragment) -> None:
         if got.version <= self.known_versions.get(got.fragment, -1):
             return
         self.known_versions[got.fragment] = got.version
         self.fragments.put(got)
+
+
+def _joined(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ranges with neighbours joined: the same values however they are cut in chunks."""
+    out: list[tuple[int, int]] = []
+    for offset, count in ranges:
+        if out and out[-1][0] + out[-1][1] == offset:
+            out[-1] = (out[-1][0], out[-1][1] + count)
+        else:
+            out.append((offset, count))
+    return out

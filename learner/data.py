@@ -110,7 +110,7 @@ def cached_corpus(
         pass  # none yet, or torn: read the sources
     corpus = load_corpus(paths, shard, num_shards, eval_paths)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes of one learner write it alike
     with tmp.open("wb") as f:
         np.savez(f, train=corpus.train, eval=corpus.eval, files=np.asarray(corpus.files))
     os.replace(tmp, path)

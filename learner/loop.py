@@ -17,13 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import structlog
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from learner import mesh as meshes
 from learner.data import mean_loss
 from learner.settings import LearnerSettings
 from learner.workload import Workload
@@ -100,16 +98,19 @@ class InnerLoop:
         self._position_saved = time.monotonic()
         self._progress_written = 0.0
         self.tx = workload.optimizer if workload.optimizer is not None else adamw(settings)
-        devices = jax.devices()
-        if settings.batch_size % len(devices):
+        mesh = meshes.learner_mesh()
+        devices = mesh.devices.size
+        if settings.batch_size % devices:
             raise ValueError(
-                f"--batch-size {settings.batch_size} must be a multiple of the {len(devices)} "
-                "local devices, so each gets an equal share"
+                f"--batch-size {settings.batch_size} must be a multiple of the learner's "
+                f"{devices} devices, so each gets an equal share"
             )
-        # Auto axes: XLA propagates the batch sharding through the model (plain data parallel).
-        mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Auto,))
-        self.replicated = NamedSharding(mesh, P())  # type: ignore[no-untyped-call]
-        self.batch_sharding = NamedSharding(mesh, P("data"))  # type: ignore[no-untyped-call]
+        # Fully sharded: parameters and optimizer state split over the devices, like the batch.
+        shapes = workload.shapes()
+        self.replicated = meshes.replicated(mesh)
+        self.batch_sharding = meshes.batch_sharding(mesh)
+        self.param_shardings = meshes.shardings(shapes, mesh)
+        self.opt_shardings = meshes.shardings(jax.eval_shape(self.tx.init, shapes), mesh)
 
     # --- set-up ---------------------------------------------------------------------------
     def _compile(self) -> None:
@@ -120,8 +121,13 @@ class InnerLoop:
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
-        self._train_step: Any = jax.jit(train_step, donate_argnums=(0, 1))
+        self._train_step: Any = jax.jit(
+            train_step,
+            donate_argnums=(0, 1),
+            out_shardings=(self.param_shardings, self.opt_shardings, self.replicated),
+        )
         self._eval_loss = jax.jit(loss_fn)
+        self._init_opt = jax.jit(tx.init, out_shardings=self.opt_shardings)
 
     def _compile_step(self, params: Any, opt_state: Any) -> None:
         """Trace and compile the inner step ahead of the first one (from the compile cache
@@ -139,22 +145,21 @@ class InnerLoop:
     def _start(self) -> tuple[Any, Any, bool]:
         """Parameters (joined, or made alone), the optimizer state, whether restored."""
         if self.sync is None:
-            params = jax.device_put(self.workload.initial(), self.replicated)
+            params = jax.device_put(self.workload.initial(), self.param_shardings)
             log.info("standalone", learner=self.settings.id)
         else:
-            params = self.sync.join(self.workload.initial, self.replicated)
+            params = self.sync.join(self.workload.make, self.param_shardings)
         self._compile()
         restored = None
         if self.sync is not None and self.settings.checkpoint_every:
             restored = self.sync.restore(params)
         if restored is None:
-            opt_state = jax.device_put(self.tx.init(params), self.replicated)
+            opt_state = self._init_opt(params)
             self._load_position()
             return params, opt_state, False
         structure = jax.tree.structure(jax.eval_shape(self.tx.init, restored.params))
         opt_state = jax.device_put(
-            jax.tree.unflatten(structure, [jnp.asarray(x) for x in restored.opt_leaves]),
-            self.replicated,
+            jax.tree.unflatten(structure, list(restored.opt_leaves)), self.opt_shardings
         )
         self.step, self.tokens = int(restored.meta["step"]), int(restored.meta["tokens"])
         self.workload.batches.position = int(restored.meta["position"])
@@ -222,8 +227,7 @@ class InnerLoop:
 
     def _next_batch(self) -> jax.Array:
         """The next batch, on its way to the devices (the copy does not block)."""
-        batch: jax.Array = jax.device_put(self.workload.batches.next(), self.batch_sharding)
-        return batch
+        return meshes.put(self.workload.batches.next(), self.batch_sharding)
 
     def _step_done(self, loss: jax.Array, since: float) -> tuple[float, float]:
         """Wait for a dispatched step's loss; record it. Returns the step's seconds (since
@@ -285,14 +289,21 @@ class InnerLoop:
     def _evaluate(self, params: Any) -> None:
         """Eval loss of the global model as this learner last saw it (standalone: its own)."""
         if self.sync is not None:
-            params = self.sync.global_params(self.replicated)
+            params = self.sync.global_params(self.param_shardings)
         self.eval_loss = mean_loss(
-            lambda b: float(self._eval_loss(params, jnp.asarray(b))), self.workload.eval_batches
+            lambda b: float(self._eval_loss(params, self._eval_batch(b))),
+            self.workload.eval_batches,
         )
         if self.sync is not None:
             self.sync.eval_loss = self.eval_loss
         tm.LEARNER_EVAL_LOSS.set(self.eval_loss)
         self.timeline.evals.append((self.timeline.now(), self.step, self.tokens, self.eval_loss))
+
+    def _eval_batch(self, batch: np.ndarray) -> jax.Array:
+        """An eval batch on the devices: split like training batches, or, when the devices
+        do not divide it (the last, short one), whole on each."""
+        even = len(batch) % self.batch_sharding.mesh.devices.size == 0
+        return meshes.put(batch, self.batch_sharding if even else self.replicated)
 
     def _badput(self, source: str, seconds: float) -> None:
         self.timeline.badput[source] += seconds
@@ -354,12 +365,15 @@ class InnerLoop:
             "bytes": synced.get("bytes", {"up": 0, "down": 0}),
             "reconnects": synced.get("reconnects", 0),
             "data_position": self.workload.batches.position,
+            **({"shards": synced["shards"]} if "shards" in synced else {}),
         }
 
     # --- where a learner slot stands: survives restarts ------------------------------------
     def _position_file(self) -> Path | None:
         state_dir = self.settings.state_dir
-        return None if state_dir is None else state_dir / f"{self.settings.id}.position.json"
+        if state_dir is None or jax.process_index():  # one learner, one file: process 0's
+            return None
+        return state_dir / f"{self.settings.id}.position.json"
 
     def _load_position(self) -> None:
         """A new incarnation of this slot goes on from where the last one stopped: the same

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import structlog
 
+from learner import group
+from learner.group import Group
 from learner.settings import LearnerSettings
 from services import telemetry as tm
 from services import tls
@@ -37,6 +40,25 @@ def use_compile_cache(folder: Path) -> None:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
+def start_processes(settings: LearnerSettings) -> tuple[LearnerSettings, Group, list[Any]]:
+    """This learner's processes: with --local-processes, process 0 starts the others;
+    then every process joins the group (before JAX's first computation). A learner of
+    several processes keeps no local checkpoint yet (its read position only), and each
+    process but the first reports beside --report."""
+    children: list[Any] = []
+    if settings.processes > 1 and settings.local_processes and settings.process_id is None:
+        coordinator = settings.coordinator or group.free_address()
+        children = group.spawn_followers(settings.processes, coordinator)
+        settings = settings.model_copy(update={"coordinator": coordinator, "process_id": 0})
+    joined = group.start(settings.coordinator, settings.processes, settings.process_id)
+    if joined.many:
+        report = settings.report
+        if report is not None and not joined.leader:
+            report = report.with_name(f"{report.stem}.process-{joined.process}{report.suffix}")
+        settings = settings.model_copy(update={"checkpoint_every": 0, "report": report})
+    return settings, joined, children
+
+
 def run(settings: LearnerSettings) -> None:
     tm.configure_logging(settings.log_level)
     if not settings.standalone:
@@ -49,6 +71,19 @@ def run(settings: LearnerSettings) -> None:
     limit_threads(settings.threads)
     if settings.compile_cache is not None:
         use_compile_cache(settings.compile_cache)
+    settings, joined, children = start_processes(settings)
+    try:
+        train(settings, joined)
+        joined.leave()  # every process at once: before waiting for the ones started here
+    finally:
+        for child in children:  # they stop with this process: wait for them a while
+            try:
+                child.wait(timeout=60)
+            except Exception:
+                child.kill()
+
+
+def train(settings: LearnerSettings, joined: Group) -> None:
     from learner import workload
     from learner.trainer import Learner, install_stop_handler, write_report
 
@@ -58,8 +93,8 @@ def run(settings: LearnerSettings) -> None:
         tm.serve_metrics("learner", settings.metrics_listen)
     from learner.client import SessionError
 
-    learner = Learner(settings, workload.load(settings))
-    install_stop_handler(learner)
+    learner = Learner(settings, workload.load(settings), joined)
+    install_stop_handler(learner, joined)
     try:
         summary = learner.run()
     except SessionError as err:  # its message says what to do; a traceback would bury it

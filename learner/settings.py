@@ -156,6 +156,30 @@ class LearnerSettings(ModelConfig, AtollSettings):
     lr_horizon_steps: int = Field(
         0, ge=0, description="steps over which the learning rate decays; 0: --steps"
     )
+    processes: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="processes (hosts, or GPUs) this one learner spans through jax.distributed: "
+        "parameters and optimizer state sharded over all their devices, each process sending "
+        "and receiving only its own shard of each fragment (the job needs --merge mean)",
+    )
+    process_id: int | None = Field(
+        None,
+        ge=0,
+        description="this process's index among --processes (0 keeps the learner's session); "
+        "unset: from the cluster (SLURM, Open MPI, a TPU slice), or 0 with --local-processes",
+    )
+    coordinator: str = Field(
+        "",
+        description="HOST:PORT of process 0's coordination service, the same for every "
+        "process; empty: from the cluster, or a free local port with --local-processes",
+    )
+    local_processes: bool = Field(
+        False,
+        description="start the other --processes - 1 processes on this machine, each on one "
+        "of the GPUs it sees (on CPU, each with its own device)",
+    )
     compile_cache: Path | None = Field(
         None,
         description="folder for JAX's persistent compilation cache: a restarted learner loads "

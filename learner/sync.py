@@ -145,8 +145,9 @@ class SyncEngine:
     # --- joining --------------------------------------------------------------------------
     def join(self, initial: Any | Callable[[], Any], sharding: Any = None) -> Any:
         """Join the job and return its current global parameters, placed with `sharding`
-        (default: JAX's default device). `initial`: this learner's initial parameters, or a
-        function making them (called only if the job still needs or holds them)."""
+        (one for every leaf, or a pytree of them; default: JAX's default device).
+        `initial`: this learner's initial parameters, or a function making them (called
+        only if the job still needs or holds them)."""
         welcome = self.client.connect()
         cfg = welcome.config
         self.mode, self.alpha = cfg.mode, cfg.merge_alpha
@@ -189,7 +190,7 @@ class SyncEngine:
         values: dict[str, np.ndarray] = {}
         for g in globals_:
             values.update(self.layout.scatter(g.fragment, g.values))
-        params = jax.device_put({k: jnp.asarray(v) for k, v in values.items()}, sharding)
+        params = jax.device_put(self.named.unflatten(values), sharding)  # type: ignore[arg-type]
         tm.REJOINS.inc()
         log.info(
             "joined",
@@ -202,7 +203,7 @@ class SyncEngine:
             versions=[g.version for g in globals_],
             initialized_job=not welcome.initialized,
         )
-        return self.named.unflatten(params)
+        return params
 
     def _await_initial(self, mine: dict[int, np.ndarray]) -> list[GlobalFragment] | None:
         """The job's initial values, once the learner holding the claim has sent them; None
@@ -294,13 +295,13 @@ class SyncEngine:
         return self.client.job_finished
 
     def global_params(self, sharding: Any = None) -> Any:
-        """The global model as this learner last saw it (what an eval should measure)."""
+        """The global model as this learner last saw it (what an eval should measure),
+        placed with `sharding` (as `join`'s)."""
         flat: dict[str, np.ndarray] = {}
         for p, f in enumerate(self.outer.fragments):
             newer = f.latest is not None and f.latest_version > f.version
             flat.update(self.layout.scatter(p, f.latest if newer else f.base))  # type: ignore[arg-type]
-        values = jax.device_put({k: jnp.asarray(v) for k, v in flat.items()}, sharding)
-        return self.named.unflatten(values)
+        return jax.device_put(self.named.unflatten(flat), sharding)  # type: ignore[arg-type]
 
     def _send(self, p: int) -> None:
         """Start fragment p's update; the encoder thread finishes and queues it."""
@@ -400,7 +401,7 @@ class SyncEngine:
                 still.append(job)
         self._encoding = still
         for seq in list(self.pending_acks):
-            ack = self.client.stats.acks.get(seq)
+            ack = self._final_ack(seq)
             if ack is None:
                 continue
             p, compute = self.pending_acks.pop(seq)
@@ -413,6 +414,10 @@ class SyncEngine:
             self.add_badput("lost", compute / self.fragments)
             self._refetch.add(p)  # continue from the current global value
         self._fetch_refused()
+
+    def _final_ack(self, seq: int) -> session_pb2.Ack | None:
+        """An update's final ack, once it has one."""
+        return self.client.stats.acks.get(seq)
 
     def _fetch_refused(self) -> None:
         """Adopt the current global value of fragments whose update was refused; if no
@@ -501,10 +506,7 @@ class SyncEngine:
             self._drain_acks()
             self.heartbeat(done=True)
             tm.GOODPUT.end()
-            linger_until = time.monotonic() + self.settings.linger_s
-            while time.monotonic() < linger_until and not self.stop_requested.is_set():
-                self._apply_arrivals(timeout=0.2)
-                self.heartbeat(done=True)
+            self._linger()
             self._apply_arrivals(timeout=0.5)
             # Training is over: nothing local is left to lose: take the newest global values.
             for p, f in enumerate(self.outer.fragments):
@@ -514,6 +516,13 @@ class SyncEngine:
             return self.named.unflatten(self._flat)
         finally:
             self._flat = {}
+
+    def _linger(self) -> None:
+        """Keep taking new global values for --linger-s (or until stopped)."""
+        linger_until = time.monotonic() + self.settings.linger_s
+        while time.monotonic() < linger_until and not self.stop_requested.is_set():
+            self._apply_arrivals(timeout=0.2)
+            self.heartbeat(done=True)
 
     def done(self, eval_loss: float | None = None) -> None:
         """The last heartbeat: this learner is done (with its final eval loss, if any)."""

@@ -4,6 +4,7 @@ engine (learner/sync.py) by its one hook, or the loop alone with `--standalone`.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -11,33 +12,49 @@ from typing import Any
 
 import structlog
 
+from learner.group import Group
 from learner.loop import InnerLoop
 from learner.settings import LearnerSettings
+from learner.sharded import ShardedSyncEngine
 from learner.sync import SyncEngine
 from learner.workload import Workload
 from services import telemetry as tm
+from services.lifecycle import PARENT_ENV
 from services.tape import Tape
 
 log = structlog.get_logger("atoll.learner")
 
 
 class Learner:
-    def __init__(self, settings: LearnerSettings, workload: Workload) -> None:
+    def __init__(
+        self, settings: LearnerSettings, workload: Workload, group: Group | None = None
+    ) -> None:
         self.settings = settings
         self.stop_requested = threading.Event()
         self.tape = Tape(settings.tape, settings.id)
-        self.sync = (
-            None
-            if settings.standalone
-            else SyncEngine(
+        self.sync: SyncEngine | None = None
+        stopping = self.stop_requested
+        if group is not None and group.many:
+            # One process of several: the loop stops when the leader says (a tick), never
+            # on a signal one process got alone.
+            sharded = ShardedSyncEngine(
+                settings,
+                workload.shapes(),
+                group,
+                tokens_per_step=workload.tokens_per_batch,
+                tape=self.tape,
+                stop_requested=self.stop_requested,
+            )
+            self.sync, stopping = sharded, sharded.stopping
+        elif not settings.standalone:
+            self.sync = SyncEngine(
                 settings,
                 workload.shapes(),
                 tokens_per_step=workload.tokens_per_batch,
                 tape=self.tape,
                 stop_requested=self.stop_requested,
             )
-        )
-        self.loop = InnerLoop(settings, workload, self.sync, self.tape, self.stop_requested)
+        self.loop = InnerLoop(settings, workload, self.sync, self.tape, stopping)
 
     def run(self) -> dict[str, Any]:
         return self.loop.run()
@@ -49,8 +66,18 @@ class Learner:
         self.tape.close()
 
 
-def install_stop_handler(learner: Learner) -> None:
+def install_stop_handler(learner: Learner, group: Group | None = None) -> None:
+    following = group is not None and not group.leader
+
     def handler(signum: int, _: Any) -> None:
+        if following:
+            # A follower stops when its leader says so; told to stop alone, it ends only if
+            # its leader is gone (the parent that started it, if one did).
+            parent = os.environ.get(PARENT_ENV)
+            if parent and os.getppid() != int(parent):
+                os._exit(128 + signum)
+            log.info("stop_follows_the_leader", signal=signal.Signals(signum).name)
+            return
         log.info("stop_requested", signal=signal.Signals(signum).name)
         learner.stop_requested.set()
         tm.GOODPUT.end()

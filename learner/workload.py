@@ -51,6 +51,11 @@ class Workload:
             self.params = self.params()
         return self.params
 
+    def make(self) -> Any:
+        """The initial parameters, made anew and not kept: what a caller that traces the
+        making (to make each process only its own shards) calls."""
+        return self.params() if callable(self.params) else self.params
+
     def shapes(self) -> Any:
         """The parameters' shapes and dtypes, without making their values."""
         return jax.eval_shape(self.params if callable(self.params) else lambda: self.params)

@@ -308,7 +308,16 @@ class SynchronizerSettings(JobConfig, AtollSettings):
         10.0, gt=0.0, description="a session that sends no hello within this long is closed"
     )
     max_ingest_per_slot: int = Field(
-        8, ge=1, description="Ingest calls one learner slot may have in flight at once"
+        8,
+        ge=1,
+        description="Ingest calls one learner slot may have in flight at once (a learner of "
+        "several processes: each process)",
+    )
+    parts_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="an update sent in parts (by a learner of several processes) whose last "
+        "part has not come this long after its first is abandoned; its processes send it again",
     )
     log_level: str = Field("info", description="debug, info, warning or error")
     port_file: Path | None = Field(

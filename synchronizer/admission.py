@@ -120,6 +120,82 @@ def check_chunk(
         )
 
 
+MAX_PARTS = 256  # processes one learner's update may come from
+
+
+def check_parts(chunk: session_pb2.UpdateChunk, size: int, needs_norms: bool) -> None:
+    """An update in parts: its part number, and a merge rule that can sum it part by part."""
+    if not 1 < chunk.parts <= min(MAX_PARTS, max(1, size)) or chunk.part >= chunk.parts:
+        raise _invalid(
+            "bad_request",
+            f"part {chunk.part} of {chunk.parts}: an update comes in 2..{MAX_PARTS} parts (at "
+            "most one per value), numbered from 0",
+        )
+    if needs_norms:
+        raise _invalid(
+            "bad_request",
+            "radial merging divides each tensor by its whole norm before summing it, which an "
+            "update in parts (a learner of several processes) cannot give with its first "
+            "chunk; run the job with --merge mean",
+        )
+
+
+def check_part_chunk(
+    chunk: session_pb2.UpdateChunk,
+    first: session_pb2.UpdateChunk,
+    index: int,
+    after: int,
+    size: int,
+) -> None:
+    """One chunk of one part, against the part's first chunk and its chunks before: in
+    order, past the values already in (`after`), inside the fragment. Unlike a whole
+    update's, a part's chunks may leave values out (other parts hold them) and end
+    mid-block (where the part's range ends)."""
+    if index and (
+        chunk.header != first.header
+        or chunk.seq != first.seq
+        or chunk.kind != first.kind
+        or chunk.base_version != first.base_version
+        or chunk.learner_id != first.learner_id
+        or chunk.incarnation != first.incarnation
+        or (chunk.part, chunk.parts) != (first.part, first.parts)
+    ):
+        raise _invalid(
+            "out_of_order", "header changed between chunks of one part; resend the part whole"
+        )
+    if chunk.chunk_index != index or chunk.value_offset < after:
+        raise _invalid(
+            "out_of_order",
+            f"chunk {chunk.chunk_index} at value {chunk.value_offset} arrived out of order: "
+            f"chunk {index} at value {after} or later was due; send a part's chunks in order",
+        )
+    if chunk.value_count < 1 or chunk.value_count > size - chunk.value_offset:
+        raise _invalid(
+            "shape_mismatch",
+            f"chunk {index} holds {chunk.value_count} values from {chunk.value_offset}; the "
+            f"fragment has {size}",
+        )
+
+
+def check_same_update(part: session_pb2.UpdateChunk, first: session_pb2.UpdateChunk) -> None:
+    """Every part of one update carries the same counters, codec and part count (the
+    compute seconds each process measured may differ: the first part's count)."""
+    if (
+        part.parts != first.parts
+        or part.kind != first.kind
+        or part.base_version != first.base_version
+        or part.c_steps != first.c_steps
+        or part.c_tokens != first.c_tokens
+        or part.header.codec != first.header.codec
+        or part.header.block_size != first.header.block_size
+    ):
+        raise _invalid(
+            "bad_request",
+            f"part {part.part} of update {part.seq} disagrees with part {first.part} on the "
+            "update's counters, codec or part count; every part must carry the same",
+        )
+
+
 # --- ranges of every field a learner sends -------------------------------------------------
 MAX_LEAVES = 100_000  # leaves of a model spec in a hello
 MAX_HELLO_BYTES = 4 << 20

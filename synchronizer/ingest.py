@@ -27,6 +27,7 @@ from synchronizer import auth
 from synchronizer.admission import Rejection, check_chunk, check_header, check_update_fields
 from synchronizer.owner import FragmentOwner, NormTooLarge, RoundBusy, Update
 from synchronizer.ownership import Ownership
+from synchronizer.parts import Gathering, Parts, combined_checksum, summed
 from synchronizer.store import ControlStore
 
 log = structlog.get_logger("atoll.synchronizer.ingest")
@@ -68,10 +69,13 @@ class Ingest:
         ownership: Ownership,
         layout: Callable[[], FragmentLayout | None],
         max_per_slot: int = 8,
+        parts_timeout_s: float = 60.0,
     ) -> None:
         self.config, self.store, self.ownership, self._layout = config, store, ownership, layout
         self.max_per_slot = max_per_slot
-        self.in_flight: Counter[str] = Counter()  # Ingest calls per learner slot
+        # Ingest calls per learner slot (and, for a learner of several processes, per part)
+        self.in_flight: Counter[tuple[str, int]] = Counter()
+        self.parts = Parts(parts_timeout_s)
 
     async def Ingest(
         self,
@@ -87,11 +91,11 @@ class Ingest:
             auth.check_slot(first.learner_id)
         except auth.AuthError as err:
             await context.abort(err.code, err.details)
-        slot = first.learner_id
+        slot = (first.learner_id, first.part if first.parts > 1 else 0)
         if self.in_flight[slot] >= self.max_per_slot:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"learner slot {slot[:64]!r} has {self.max_per_slot} Ingest calls in flight "
+                f"learner slot {slot[0][:64]!r} has {self.max_per_slot} Ingest calls in flight "
                 "already (--max-ingest-per-slot); wait for them",
             )
         self.in_flight[slot] += 1
@@ -128,6 +132,8 @@ class Ingest:
         if owner is None or owner.lost:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NOT_OWNER.format(p=p))
         assert owner is not None
+        if first.parts > 1:
+            return await self._in_parts(owner, codec, first, request_iterator)
         if first.kind == session_pb2.UPDATE_KIND_INITIAL:
             return await self._initial(owner, first, request_iterator)
         return await self._update(owner, codec, first, request_iterator)
@@ -215,9 +221,9 @@ class Ingest:
             async for chunk, data in self._chunks(first, rest):
                 summing.append(owner.add(update, chunk.value_offset, chunk.value_count, data))
                 if len(summing) >= SUMMING_AHEAD:
-                    await _summed(summing.popleft())
+                    await summed(summing.popleft())
             while summing:
-                await _summed(summing.popleft())
+                await summed(summing.popleft())
             if update.hasher.intdigest() != first.header.checksum:
                 raise Rejection(
                     "checksum",
@@ -237,6 +243,12 @@ class Ingest:
             await owner.abandon(update)
             raise
         status, version = await owner.receive(update, first.header.checksum)
+        return await self._answer(owner, first, status, version)
+
+    async def _answer(
+        self, owner: FragmentOwner, first: session_pb2.UpdateChunk, status: str, version: int
+    ) -> session_pb2.Ack:
+        """The ack of an update its owner has recorded (or refused to record)."""
         ack = session_pb2.Ack(
             seq=first.seq, fragment=first.header.fragment, version=version, epoch=owner.epoch
         )
@@ -287,6 +299,12 @@ class Ingest:
                 )
         except Rejection as rejection:
             return await self._refuse(first, rejection)
+        return await self._take_initial(owner, first, values)
+
+    async def _take_initial(
+        self, owner: FragmentOwner, first: session_pb2.UpdateChunk, values: np.ndarray
+    ) -> session_pb2.Ack:
+        """Make a fragment's whole initial value its first version, unless it has one."""
         ack = session_pb2.Ack(seq=first.seq, fragment=first.header.fragment, epoch=owner.epoch)
         if owner.version is not None:
             ack.status = session_pb2.ACK_STATUS_ALREADY_INITIALIZED
@@ -314,6 +332,34 @@ class Ingest:
             ack.status = session_pb2.ACK_STATUS_ALREADY_INITIALIZED
         return ack
 
+    async def _in_parts(
+        self,
+        owner: FragmentOwner,
+        codec: codecs.Codec,
+        first: session_pb2.UpdateChunk,
+        rest: AsyncIterator[session_pb2.UpdateChunk],
+    ) -> session_pb2.Ack:
+        """One part of an update from a learner of several processes (synchronizer/parts.py)."""
+
+        async def finish(gathering: Gathering) -> session_pb2.Ack:
+            whole = gathering.first
+            if gathering.update is None:
+                assert gathering.values is not None
+                return await self._take_initial(owner, whole, gathering.values)
+            checksum = combined_checksum(gathering.arrived)
+            status, version = await owner.receive(gathering.update, checksum)
+            try:
+                return await self._answer(owner, whole, status, version)
+            except Rejection as rejection:  # not the owner now: again, to the new one
+                raise Rejection(
+                    rejection.reason, grpc.StatusCode.UNAVAILABLE, rejection.message
+                ) from None
+
+        try:
+            return await self.parts.admit(owner, codec, first, rest, finish)
+        except Rejection as rejection:
+            return await self._refuse(first, rejection)
+
     async def _refuse(
         self, chunk: session_pb2.UpdateChunk, rejection: Rejection, version: int = 0
     ) -> session_pb2.Ack:
@@ -337,17 +383,6 @@ class Ingest:
             reason=rejection.message,
             version=version,
         )
-
-
-async def _summed(job: asyncio.Future[None]) -> None:
-    """Wait for one chunk's sum; its refusal as the update's."""
-    try:
-        await job
-    except codecs.CodecError as err:
-        reason = "non_finite" if "NaN" in str(err) else "bad_codec"
-        raise Rejection(reason, grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-    except NormTooLarge as err:
-        raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
 
 
 async def _drain(jobs: deque[asyncio.Future[None]]) -> None:

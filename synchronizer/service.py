@@ -60,7 +60,12 @@ class SynchronizerService:
             self.adopt_spec,
         )
         self.ingest = Ingest(
-            settings, store, self.ownership, lambda: self.layout, settings.max_ingest_per_slot
+            settings,
+            store,
+            self.ownership,
+            lambda: self.layout,
+            settings.max_ingest_per_slot,
+            settings.parts_timeout_s,
         )
         self._bytes = {"up": 0, "down": 0}
 

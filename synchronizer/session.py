@@ -28,7 +28,7 @@ from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layo
 from services.outage import OutageLog
 from services.tape import Tape
 from services.wire import segments_header
-from synchronizer import admission, auth
+from synchronizer import admission, auth, ranges
 from synchronizer.admission import Rejection, check_heartbeat, check_hello
 from synchronizer.ownership import Ownership
 from synchronizer.store import ControlStore
@@ -92,6 +92,7 @@ class Connection:
     )
     sent_versions: dict[int, int] = field(default_factory=dict)
     notified: dict[int, int] = field(default_factory=dict)  # commits told of, per fragment
+    notices: bool = False  # told new versions; fetches their values itself (by ranges)
 
     @property
     def prefix(self) -> str:
@@ -273,6 +274,7 @@ class Sessions:
             hello.incarnation,
             sent_versions=dict(enumerate(versions)),
             notified=dict(enumerate(versions)),
+            notices=hello.version_notices,
         )
         welcome = session_pb2.Welcome(
             config=session_pb2.JobConfig(
@@ -452,6 +454,11 @@ class Sessions:
             last = conn.sent_versions.get(fragment, -1)
             if last >= version:
                 continue
+            if conn.notices:
+                conn.sent_versions[fragment] = version
+                notice = session_pb2.FragmentVersion(fragment=fragment, version=version)
+                conn.send(session_pb2.SynchronizerMessage(version=notice))
+                continue
             chunks: list[fragment_pb2.GlobalFragmentChunk] = []
             if last >= 0 and version - last <= MAX_DELTA_CHAIN:
                 entries = {
@@ -529,9 +536,8 @@ class Sessions:
                 "the job has no global parameters yet; a learner must join first",
             )
         assert layout is not None
-        if len(request.fragments) > layout.num_fragments or len(request.held) > (
-            layout.num_fragments
-        ):
+        named = (request.fragments, request.held, request.ranges, request.versions)
+        if max(len(x) for x in named) > layout.num_fragments:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"a state fetch names at most the job's {layout.num_fragments} fragments, "
@@ -545,5 +551,25 @@ class Sessions:
                 f"fragments {bad} do not exist; this job has 0..{layout.num_fragments - 1}",
             )
         for p in wanted:
-            for chunk in await self.fragment_chunks(p, request.held.get(p)):
+            if p in request.ranges or p in request.versions:
+                try:
+                    chunks = await self._ranges(p, request, layout)
+                except Rejection as rejection:
+                    await context.abort(rejection.code, rejection.message)
+            else:
+                chunks = await self.fragment_chunks(p, request.held.get(p))
+            for chunk in chunks:
                 yield chunk
+
+    async def _ranges(
+        self, p: int, request: synchronizer_pb2.FetchStateRequest, layout: FragmentLayout
+    ) -> list[fragment_pb2.GlobalFragmentChunk]:
+        """Some ranges of fragment p (default: all of it), at a chosen version (default: the
+        current one): a process of a learner over several hosts fetches its own."""
+        n = layout.fragments[p].num_elements
+        wanted = ranges.check_ranges(request.ranges[p], n) if p in request.ranges else [(0, n)]
+        version = request.versions.get(p)
+        version, values = await ranges.value_at(self.store, self.tensors, p, version)
+        return await asyncio.to_thread(  # copies the values asked for: off the event loop
+            ranges.range_chunks, p, version, values, wanted, self.settings.max_chunk_bytes
+        )

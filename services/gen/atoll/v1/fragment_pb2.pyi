@@ -159,6 +159,7 @@ class GlobalFragmentChunk(_message.Message):
     UNCHANGED_FIELD_NUMBER: _builtins.int
     VALUE_OFFSET_FIELD_NUMBER: _builtins.int
     VALUE_COUNT_FIELD_NUMBER: _builtins.int
+    VALUE_CHECKSUM_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     chunk_index: _builtins.int
     data: _builtins.bytes
@@ -168,6 +169,10 @@ class GlobalFragmentChunk(_message.Message):
     """equal to the value the request said it holds: no data"""
     value_offset: _builtins.int
     value_count: _builtins.int
+    value_checksum: _builtins.int
+    """XXH3-64 of the whole value these chunks are (part of), as the commit log records it: a
+    process that fetched only some ranges still knows which value it holds.
+    """
     @_builtins.property
     def header(self) -> Global___PayloadHeader: ...
     def __init__(
@@ -182,10 +187,11 @@ class GlobalFragmentChunk(_message.Message):
         unchanged: _builtins.bool = ...,
         value_offset: _builtins.int = ...,
         value_count: _builtins.int = ...,
+        value_checksum: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "chunk_index", b"chunk_index", "data", b"data", "delta", b"delta", "header", b"header", "unchanged", b"unchanged", "value_count", b"value_count", "value_offset", b"value_offset", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "chunk_index", b"chunk_index", "data", b"data", "delta", b"delta", "header", b"header", "unchanged", b"unchanged", "value_checksum", b"value_checksum", "value_count", b"value_count", "value_offset", b"value_offset", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

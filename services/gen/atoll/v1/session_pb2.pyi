@@ -92,6 +92,7 @@ class Hello(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     PARAMS_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    VERSION_NOTICES_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     learner_id: _builtins.str
     """stable name of the learner slot"""
@@ -101,6 +102,11 @@ class Hello(_message.Message):
     """shared secret, when the synchronizer requires one"""
     step: _builtins.int
     """learner's step counter at (re)join"""
+    version_notices: _builtins.bool
+    """A learner of several processes: each process fetches its own value ranges of each new
+    version (FetchState with ranges), so this session is told new versions (FragmentVersion)
+    instead of being sent their values.
+    """
     @_builtins.property
     def params(self) -> _containers.RepeatedCompositeFieldContainer[_fragment_pb2.TensorSpec]:
         """the learner's parameter pytree, leaf by leaf"""
@@ -114,10 +120,11 @@ class Hello(_message.Message):
         token: _builtins.str = ...,
         params: _abc.Iterable[_fragment_pb2.TensorSpec] | None = ...,
         step: _builtins.int = ...,
+        version_notices: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "job", b"job", "learner_id", b"learner_id", "params", b"params", "step", b"step", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "job", b"job", "learner_id", b"learner_id", "params", b"params", "step", b"step", "token", b"token", "version_notices", b"version_notices"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -367,6 +374,8 @@ class UpdateChunk(_message.Message):
     TENSOR_NORMS_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     LEARNER_ID_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
     kind: Global___UpdateKind.ValueType
     seq: _builtins.int
     """per incarnation, increasing"""
@@ -385,6 +394,15 @@ class UpdateChunk(_message.Message):
     incarnation: _builtins.str
     """the sender's incarnation (the owner checks it is live)"""
     learner_id: _builtins.str
+    part: _builtins.int
+    """An update of a learner over several processes comes in `parts` parts (0 or 1: whole),
+    one Ingest call each, all with the same seq and counters. Part `part` (0-based) holds
+    the values its process has: its chunks in increasing value_offset, none overlapping any
+    other part's, all parts together covering the fragment exactly. Its header describes
+    that part alone (checksum, chunk_count, total_bytes; num_elements is the fragment's).
+    The owner answers every part once all are in, or refuses them all.
+    """
+    parts: _builtins.int
     @_builtins.property
     def header(self) -> _fragment_pb2.PayloadHeader: ...
     @_builtins.property
@@ -410,10 +428,12 @@ class UpdateChunk(_message.Message):
         tensor_norms: _abc.Iterable[_builtins.float] | None = ...,
         incarnation: _builtins.str = ...,
         learner_id: _builtins.str = ...,
+        part: _builtins.int = ...,
+        parts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "c_steps", b"c_steps", "c_tokens", b"c_tokens", "chunk_index", b"chunk_index", "compute_seconds", b"compute_seconds", "data", b"data", "header", b"header", "incarnation", b"incarnation", "kind", b"kind", "learner_id", b"learner_id", "seq", b"seq", "tensor_norms", b"tensor_norms", "value_count", b"value_count", "value_offset", b"value_offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "c_steps", b"c_steps", "c_tokens", b"c_tokens", "chunk_index", b"chunk_index", "compute_seconds", b"compute_seconds", "data", b"data", "header", b"header", "incarnation", b"incarnation", "kind", b"kind", "learner_id", b"learner_id", "part", b"part", "parts", b"parts", "seq", b"seq", "tensor_norms", b"tensor_norms", "value_count", b"value_count", "value_offset", b"value_offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -487,6 +507,30 @@ class LearnerMessage(_message.Message):
 Global___LearnerMessage: _TypeAlias = LearnerMessage  # noqa: Y015
 
 @_typing.final
+class FragmentVersion(_message.Message):
+    """A fragment's new version, told (instead of sent) to a session that asked for notices."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAGMENT_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    fragment: _builtins.int
+    version: _builtins.int
+    def __init__(
+        self,
+        *,
+        fragment: _builtins.int = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragment", b"fragment", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FragmentVersion: _TypeAlias = FragmentVersion  # noqa: Y015
+
+@_typing.final
 class JobStatus(_message.Message):
     """The job's progress against its step budget; sent after each heartbeat when the job has one."""
 
@@ -525,6 +569,7 @@ class SynchronizerMessage(_message.Message):
     FRAGMENT_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     OWNERS_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
@@ -535,6 +580,8 @@ class SynchronizerMessage(_message.Message):
     def status(self) -> Global___JobStatus: ...
     @_builtins.property
     def owners(self) -> Global___OwnerMap: ...
+    @_builtins.property
+    def version(self) -> Global___FragmentVersion: ...
     def __init__(
         self,
         *,
@@ -543,12 +590,13 @@ class SynchronizerMessage(_message.Message):
         fragment: _fragment_pb2.GlobalFragmentChunk | None = ...,
         status: Global___JobStatus | None = ...,
         owners: Global___OwnerMap | None = ...,
+        version: Global___FragmentVersion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "fragment", b"fragment", "kind", b"kind", "owners", b"owners", "status", b"status", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "fragment", b"fragment", "kind", b"kind", "owners", b"owners", "status", b"status", "version", b"version", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "fragment", b"fragment", "kind", b"kind", "owners", b"owners", "status", b"status", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "fragment", b"fragment", "kind", b"kind", "owners", b"owners", "status", b"status", "version", b"version", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "ack", "fragment", "status", "owners"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "ack", "fragment", "status", "owners", "version"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

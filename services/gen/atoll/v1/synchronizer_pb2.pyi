@@ -42,9 +42,52 @@ class FetchStateRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class RangesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        @_builtins.property
+        def value(self) -> Global___ValueRanges: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: Global___ValueRanges | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class VersionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_FIELD_NUMBER: _builtins.int
     FRAGMENTS_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
+    RANGES_FIELD_NUMBER: _builtins.int
+    VERSIONS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     @_builtins.property
     def fragments(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -57,17 +100,58 @@ class FetchStateRequest(_message.Message):
         value has that checksum comes back as one chunk without data, marked `unchanged`.
         """
 
+    @_builtins.property
+    def ranges(self) -> _containers.MessageMap[_builtins.int, Global___ValueRanges]:
+        """Fragment -> the value ranges wanted (a process of a learner over several hosts fetches
+        only its own); absent: the whole value. The chunks then hold those values only, in the
+        order asked, their header's checksum and sizes covering those chunks alone.
+        """
+
+    @_builtins.property
+    def versions(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]:
+        """Fragment -> the version wanted, while the synchronizer still keeps it (NOT_FOUND when
+        not); absent: the current one. The processes of one learner adopt the same version.
+        """
+
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
         fragments: _abc.Iterable[_builtins.int] | None = ...,
         held: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
+        ranges: _abc.Mapping[_builtins.int, Global___ValueRanges] | None = ...,
+        versions: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragments", b"fragments", "held", b"held", "job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragments", b"fragments", "held", b"held", "job", b"job", "ranges", b"ranges", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FetchStateRequest: _TypeAlias = FetchStateRequest  # noqa: Y015
+
+@_typing.final
+class ValueRanges(_message.Message):
+    """Values [offsets[i], offsets[i] + counts[i]) of a fragment, increasing, not overlapping."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSETS_FIELD_NUMBER: _builtins.int
+    COUNTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        offsets: _abc.Iterable[_builtins.int] | None = ...,
+        counts: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "offsets", b"offsets"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ValueRanges: _TypeAlias = ValueRanges  # noqa: Y015

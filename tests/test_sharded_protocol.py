@@ -1,0 +1,165 @@
+"""What a learner of several processes needs of a real synchronizer.
+
+Up: updates in parts; parts that tile the fragment merge as one update; overlaps, gaps,
+disagreeing parts and a missing part are refused, every part with the same reason, and
+leave nothing behind in the round's sum. Down: a session that asked for notices is told new
+versions, not sent their values; each process fetches its own ranges at a chosen version."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import redis
+
+from cluster.redis_server import RedisServer
+from learner.client import SynchronizerClient
+from services import codec as codecs
+from services.gen.atoll.v1 import fragment_pb2, session_pb2
+from tests import support
+from tests.conftest import SpawnSynchronizer
+
+FRAGMENT = 1
+N = support.layout(2).fragments[FRAGMENT].num_elements
+REJECTED, RECEIVED = session_pb2.ACK_STATUS_REJECTED, session_pb2.ACK_STATUS_RECEIVED
+
+
+def part(
+    delta: np.ndarray, ranges: Sequence[tuple[int, int]], k: int, parts: int, seq: int, **kw: int
+) -> list[session_pb2.UpdateChunk]:
+    """Part k: the fp32 values of `ranges` (start, end), 100 values a chunk."""
+    segments = [
+        codecs.Segment(a, min(b, a + 100) - a, delta[a : min(b, a + 100)].tobytes())
+        for start, b in ranges
+        for a in range(start, b, 100)
+    ]
+    chunks = support.chunks_for(
+        FRAGMENT,
+        segments,
+        codec=fragment_pb2.CODEC_FP32,
+        block_size=0,
+        num_elements=N,
+        seq=seq,
+        **kw,  # type: ignore[arg-type]
+    )
+    for chunk in chunks:
+        chunk.part, chunk.parts = k, parts
+    return chunks
+
+
+def send(c: SynchronizerClient, parts: Sequence[list[session_pb2.UpdateChunk]]) -> list[Any]:
+    with ThreadPoolExecutor(len(parts)) as pool:
+        return list(pool.map(c.ingest_raw, parts))
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_parts_that_tile_the_fragment_merge_as_one_update_and_bad_ones_change_nothing(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer(
+        "--fragments", "2", "--grace-seconds", "0", "--downlink-codec", "fp32",
+        "--outer-lr", "1.0", "--parts-timeout-s", "2",
+    )  # fmt: skip
+    c = support.client([sync.address], "l0")
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c, 2)
+        initial = c.fetch_state([FRAGMENT])[0].values
+        delta = np.random.default_rng(1).normal(scale=0.01, size=N).astype(np.float32)
+        half = [(0, 300), (600, N)], [(300, 600)]  # interleaved
+
+        # One part alone: abandoned after the timeout, retryable.
+        (ack,) = send(c, [part(delta, half[0], 0, 2, seq=10)])
+        assert ack.status == REJECTED
+        assert "lacked parts [1]" in ack.reason
+        assert ack.code == 14  # UNAVAILABLE: the learner's processes send it again
+        # Overlapping parts, parts leaving a gap, parts that disagree: all refused.
+        bad = {
+            "overlap": [part(delta, [(0, 400)], 0, 2, 11), part(delta, [(300, N)], 1, 2, 11)],
+            "cover it exactly": [
+                part(delta, [(0, 100)], 0, 2, 12),
+                part(delta, [(200, N)], 1, 2, 12),
+            ],
+            "disagrees": [
+                part(delta, half[0], 0, 2, 13),
+                part(delta, half[1], 1, 2, 13, c_steps=11),
+            ],
+        }
+        for words, parts in bad.items():
+            acks = send(c, parts)
+            assert all(a.status == REJECTED for a in acks), (words, acks)
+            assert any(words in a.reason for a in acks), (words, [a.reason for a in acks])
+        time.sleep(0.3)
+        assert support.version(r, FRAGMENT) == 0
+        assert support.pending(r, 2) == []
+
+        # The good update: two interleaved parts, answered together, merged once.
+        good = [part(delta, half[0], 0, 2, seq=20), part(delta, half[1], 1, 2, seq=20)]
+        assert [a.status for a in send(c, good)] == [RECEIVED, RECEIVED]
+        wait_until(lambda: support.version(r, FRAGMENT) == 1)
+        assert [e["uids"] for e in support.commit_log(r, FRAGMENT)] == [["l0//20"]]
+        # Nothing of the refused attempts stayed in the sum: theta - lr * delta exactly.
+        merged = c.fetch_state([FRAGMENT])[0].values
+        np.testing.assert_allclose(merged, initial - delta, rtol=0, atol=1e-6)
+        # A part sent again gets the same answer; with other bytes, it is refused.
+        assert c.ingest_raw(good[1]).status == RECEIVED
+        other = part(delta * 2, half[1], 1, 2, seq=20)
+        assert "other bytes" in c.ingest_raw(other).reason
+        time.sleep(0.3)
+        assert support.version(r, FRAGMENT) == 1
+    finally:
+        c.close()
+
+
+def test_a_notices_session_is_told_versions_and_ranges_are_fetched_at_a_version(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer("--fragments", "2", "--grace-seconds", "0")
+    c = support.client([sync.address], "l0", version_notices=True)
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c, 2)
+        initial = c.fetch_state([0])[0].values
+        down = c.stats.bytes_down
+        for v in range(2):
+            c.wait_ack(support.send_delta(c, 0, 2, v, seed=v), 10, received=True)
+            wait_until(lambda v=v: support.version(r, 0) == v + 1)  # type: ignore[misc]
+            wait_until(lambda v=v: c.known_versions.get(0) == v + 1)  # type: ignore[misc]
+            if v == 0:  # the initial value (it has no commit entry) is kept one commit more
+                first = c.fetch_ranges({0: [(0, 10)]}, versions={0: 0})[0]
+                np.testing.assert_array_equal(first.values, initial[:10])
+        assert c.fragments.empty()  # told, not sent
+        assert c.stats.bytes_down - down < 4 * N  # acks, notices and one range fetch
+        notices = []
+        while not c.notices.empty():
+            notices.append(c.notices.get())
+        assert notices == [(0, 1), (0, 2)]
+        whole = c.fetch_state([0])[0].values
+        wanted = [(0, 10), (100, 50), (1000, 1048)]
+        got = c.fetch_ranges({0: wanted}, versions={0: 2})[0]
+        assert got.version == 2
+        assert got.checksum == support.commit_log(r, 0)[-1]["checksum"]
+        np.testing.assert_array_equal(
+            got.values, np.concatenate([whole[a : a + n] for a, n in wanted])
+        )
+        # The version before is still kept; older ones are not.
+        assert c.fetch_ranges({0: wanted}, versions={0: 1})[0].version == 1
+        with pytest.raises(grpc.RpcError) as gone:
+            c.fetch_ranges({0: [(0, 10)]}, versions={0: 0})
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as bad:
+            c.fetch_ranges({0: [(100, 10), (0, 10)]})
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        c.close()
