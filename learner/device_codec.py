@@ -76,8 +76,8 @@ def _flush_tiny(x: jax.Array) -> jax.Array:
 
 
 def uniform_codes(x: jax.Array, block_size: int, largest: int) -> tuple[jax.Array, jax.Array]:
-    """services.codec.uniform_codes on the device: the blocks' scales, and the codes
-    (float32, blocks x block_size, the last block padded with zeros)."""
+    """The blocks' scales and the codes that services.codec.uniform_payload defines, on the
+    device (the codes as float32, blocks x block_size, the last block padded with zeros)."""
     nb = blocks_of(x.size, block_size)
     blocks = jnp.pad(_flush_tiny(x), (0, nb * block_size - x.size)).reshape(nb, block_size)
     scales = _flush_tiny(jnp.max(jnp.abs(blocks), axis=1) * jnp.float32(1 / largest))

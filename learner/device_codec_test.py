@@ -42,6 +42,11 @@ def _inputs(n: int, seed: int) -> dict[str, np.ndarray]:
     tiny = (rng.normal(size=n) * TINY * 4).astype(np.float32)  # normal and subnormal values
     zeros = np.zeros(n, np.float32)
     zeros[::3] = -0.0
+    # Subnormal values that would round to a nonzero code, were they not flushed: blocks
+    # whose scale is just above the smallest normal (int8's and int4's).
+    flush = np.where(rng.random(n) < 0.5, -0.9, 0.9).astype(np.float32) * np.float32(TINY)
+    flush[::7] *= np.float32(127 * 1.5 / 0.9)
+    flush[::11] = np.float32(7 * 1.5 * TINY)
     # Values on the codes' rounding boundaries: k + 1/2 steps of the block's quantum.
     ties = (rng.integers(-254, 255, size=n) / 2).astype(np.float32)
     ties[::97] = 127.0
@@ -52,6 +57,7 @@ def _inputs(n: int, seed: int) -> dict[str, np.ndarray]:
         "huge": huge,
         "tiny": tiny,
         "zeros": zeros,
+        "flush": flush,
         "ties": ties,
         "one": np.full(n, 0.3, np.float32),
     }

@@ -33,6 +33,7 @@ from services.blockwise import (
     finite,
     int8_levels,
     offset_nibble_levels,
+    scale_blocks,
     scales_and_body,
     table_levels,
     target,
@@ -90,27 +91,69 @@ def _absmax_blocks(x: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarr
     return blocks, np.abs(blocks).max(axis=1).astype(np.float32)
 
 
-def flush_tiny(x: np.ndarray) -> np.ndarray:
-    """x with values below float32's smallest normal (in magnitude) set to zero."""
-    return np.where(np.abs(x) < FLOAT32_TINY, np.float32(0), x)
+# Values encoded a chunk (whole blocks, an even number): their float32 values stay in cache.
+ENCODE_CHUNK = 1 << 16
+# Only a block's scale below this lets a value under float32's smallest normal round to a
+# nonzero code (|value * (1 / scale)| >= 1/2): such blocks are encoded again, flushed.
+_SMALL_SCALE = np.float32(2.0**-124)
 
 
-def uniform_codes(x: np.ndarray, block_size: int, largest: int) -> tuple[np.ndarray, np.ndarray]:
-    """Blockwise uniform quantization to -largest..largest: each block's scale is its
-    absmax times 1/largest (float32, tiny scales flushed), each code rint(value * (1 /
-    scale)) with the reciprocal correctly rounded, 0 where the scale is. Returns the scales
-    and the codes (float32, blocks x block_size, the last block padded with zeros)."""
-    blocks, absmax = _absmax_blocks(flush_tiny(np.asarray(x, np.float32)), block_size)
-    scales = flush_tiny(absmax * np.float32(1 / largest))
-    recip = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > 0)
-    codes = np.multiply(blocks, recip[:, None], out=blocks)
-    return scales, np.clip(np.rint(codes, out=codes), -largest, largest, out=codes)
+def uniform_payload(x: np.ndarray, block_size: int, largest: int, per_byte: int) -> bytes:
+    """Blockwise uniform quantization to codes -largest..largest, as a payload of the
+    blocks' float32 scales then the codes (int8: one signed byte each; 4-bit: q + 8, two a
+    byte, the first in the low nibble).
+
+    The definition, which learner.device_codec computes on an accelerator to the same bytes:
+    values below float32's smallest normal count as zero; a block's scale is its absmax
+    times float32(1 / largest), zero if below the smallest normal; a value's code is
+    rint(value * (1 / scale)) (the reciprocal correctly rounded, ties to even), clipped,
+    and 0 where the scale is. Worked a chunk at a time, in cache."""
+    check_block_size(block_size)
+    x = np.ascontiguousarray(x, np.float32).reshape(-1)
+    n, nb = x.size, blocks_of(x.size, block_size)
+    out = np.empty(4 * nb + -(-n // per_byte), np.uint8)
+    scales, body = out[: 4 * nb].view("<f4"), out[4 * nb :]
+    step = max(1, ENCODE_CHUNK // (2 * block_size)) * 2 * block_size
+    buf = np.empty(min(step, n), np.float32)
+    packed = np.empty(min(step, n) // 2 + 1, "<u2")
+    inverse = np.float32(1 / largest)
+    for start in range(0, n, step):
+        chunk = x[start : start + step]
+        m, full, first = chunk.size, chunk.size // block_size, start // block_size
+        mag = np.abs(chunk, out=buf[:m])
+        scale = scales[first : first + blocks_of(m, block_size)]
+        np.max(mag[: full * block_size].reshape(full, block_size), axis=1, out=scale[:full])
+        if full < scale.size:
+            scale[full] = mag[full * block_size :].max()
+        np.multiply(scale, inverse, out=scale)
+        scale[scale < FLOAT32_TINY] = 0
+        recip = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+        codes = buf[:m]
+        scale_blocks(chunk, recip, block_size, codes)
+        for b in np.flatnonzero((scale > 0) & (scale < _SMALL_SCALE)):
+            values = chunk[b * block_size : (b + 1) * block_size]
+            tiny = np.where(np.abs(values) < FLOAT32_TINY, np.float32(0), values)
+            np.multiply(tiny, recip[b], out=codes[b * block_size : (b + 1) * block_size])
+        np.clip(np.rint(codes, out=codes), -largest, largest, out=codes)
+        if per_byte == 1:
+            np.copyto(body[start : start + m].view(np.int8), codes, casting="unsafe")
+            continue
+        nibbles = packed.view(np.uint8)[: m + m % 2]
+        np.add(codes, 8, out=codes)
+        np.copyto(nibbles[:m], codes, casting="unsafe")
+        nibbles[m:] = 0  # an odd count's last byte: its high nibble is 0
+        pairs = packed[: nibbles.size // 2]
+        high = np.right_shift(pairs, 4)
+        np.bitwise_and(high, 0xF0, out=high)
+        np.bitwise_and(pairs, 0x0F, out=pairs)
+        np.bitwise_or(pairs, high, out=pairs)
+        np.copyto(body[start // 2 : start // 2 + pairs.size], pairs, casting="unsafe")
+    return out.tobytes()
 
 
 def _encode_int8(x: np.ndarray, block_size: int) -> bytes:
-    """Blockwise uniform 8-bit: codes -127..127 (uniform_codes), one signed byte each."""
-    scales, codes = uniform_codes(x, block_size, 127)
-    return scales.astype("<f4").tobytes() + codes.astype(np.int8).ravel()[: x.size].tobytes()
+    """Blockwise uniform 8-bit: codes -127..127 (uniform_payload), one signed byte each."""
+    return uniform_payload(x, block_size, 127, 1)
 
 
 def _pack_nibbles(codes: np.ndarray) -> bytes:
@@ -129,10 +172,8 @@ def _unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
 
 
 def _encode_int4(x: np.ndarray, block_size: int) -> bytes:
-    """Blockwise uniform 4-bit: codes q in -7..7 (uniform_codes), stored as q + 8."""
-    scales, codes = uniform_codes(x, block_size, 7)
-    q = codes.astype(np.int8).ravel()[: x.size]
-    return scales.astype("<f4").tobytes() + _pack_nibbles((q + 8).astype(np.uint8))
+    """Blockwise uniform 4-bit: codes q in -7..7 (uniform_payload), stored as q + 8."""
+    return uniform_payload(x, block_size, 7, 2)
 
 
 E3M0_MIN_EXP = -6  # magnitudes absmax * 2^e for e in -6..0, and zero
