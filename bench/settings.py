@@ -330,16 +330,35 @@ class CodecsBench(_Output):
     rounds: int = Field(50, ge=1, description="encodings summed with error feedback")
     block_size: int = Field(256, ge=1, description="values per block scale")
     seed: int = Field(0, description="random seed")
-    speed_values: int = Field(
-        25_000_000,
-        ge=0,
-        description="values in the vector each codec encodes and decodes for its speed (one "
-        "core); 0: no speed runs",
-    )
-    speed_repeats: int = Field(3, ge=1, description="speed runs per codec (the best is kept)")
 
     def cli_cmd(self) -> None:
         from bench.codecs import run
+
+        run(self)
+
+
+class CodecSpeedBench(_Output):
+    """Encode and decode speed of each codec on one host core, and int8 and int4 encoding
+    on the learner's device against the host path, side by side in one run."""
+
+    codecs: list[str] = Field(
+        ["fp32", "bf16", "int8", "int4", "e3m0", "int2", "sign", "topk"],
+        description="codecs measured (int4: the codec `--codec int4` names)",
+    )
+    values: int = Field(
+        25_000_000,
+        ge=256,
+        description="values encoded (default: a fragment of a 100M-parameter model at P=4)",
+    )
+    block_size: int = Field(256, ge=1, description="values per block scale")
+    chunk_bytes: int = Field(1 << 20, ge=1024, description="encoded bytes a segment, at most")
+    repeats: int = Field(3, ge=1, description="runs of each measurement (the best is kept)")
+    device: bool = Field(True, description="also measure encoding on JAX's device")
+    tensors: int = Field(8, ge=1, description="tensors in the device run's fragment")
+    seed: int = Field(0, description="random seed")
+
+    def cli_cmd(self) -> None:
+        from bench.codec_speed import run
 
         run(self)
 
@@ -375,6 +394,9 @@ class BenchCommand(AtollSettings):
     )
     codecs: CliSubCommand[CodecsBench] = Field(
         description="bytes per value and error of each codec, with error feedback"
+    )
+    codec_speed: CliSubCommand[CodecSpeedBench] = Field(
+        description="encode and decode GB/s of each codec on a core, and encode ms on the device"
     )
     goodput: CliSubCommand[GoodputBench] = Field(
         description="goodput of decoupled against sync mode under the same seeded faults"

@@ -101,9 +101,10 @@ def encoder_arrays(
     """The residual, and the fragment the in-flight update took: the encoder thread sets
     both, so it reads them too, after the sends queued before the snapshot."""
     if in_flight and f.sent_theta is not None:
-        arrays[f"frag{p}/sent_theta"] = f.sent_theta
-    if f.feedback.residual is not None:
-        arrays[f"frag{p}/residual"] = f.feedback.residual
+        arrays[f"frag{p}/sent_theta"] = np.asarray(f.sent_theta, np.float32)
+    residual = f.feedback.residual  # a copy from the device, if it stays there
+    if residual is not None:
+        arrays[f"frag{p}/residual"] = residual
 
 
 def restore_fragment(

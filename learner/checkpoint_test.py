@@ -1,29 +1,39 @@
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from learner import checkpoint as ckpt
+from learner.device_codec import DeviceFeedback
 from learner.outer import FragmentState
 from services import codec as codecs
 
 
-def _fragment(version: int) -> FragmentState:
+def _fragment(version: int, on_device: bool = False) -> FragmentState:
+    feedback = DeviceFeedback if on_device else codecs.ErrorFeedback
     return FragmentState(
         np.full(3, float(version), np.float32),
         version,
-        codecs.ErrorFeedback(codecs.by_name("int8"), 256),
+        feedback(codecs.by_name("int8"), 256, tensor_sizes=()),
     )
 
 
-def test_a_checkpoint_round_trips_every_field(tmp_path: Path) -> None:
-    f = _fragment(4)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_checkpoint_round_trips_every_field(tmp_path: Path, on_device: bool) -> None:
+    """With the update encoded on the device, the residual and the fragment the update took
+    stay there until a checkpoint copies them."""
+    f = _fragment(4, on_device)
     f.count(tokens=100, seconds=0.5)
     send = f.begin_send()
     f.encode(send, np.array([1.0, -2.0, 0.5], np.float32))  # in flight, with a residual
+    if on_device:
+        f.sent_theta = jnp.array([1.0, -2.0, 0.5], jnp.float32)
     f.count(tokens=100, seconds=0.25)
     arrays: dict[str, np.ndarray] = {}
     records = [ckpt.fragment_record(0, f, arrays)]
     ckpt.encoder_arrays(0, f, True, arrays)
+    assert all(isinstance(a, np.ndarray) for a in arrays.values())
     snap = ckpt.Snapshot(
         meta={
             "job": "j",
@@ -46,7 +56,7 @@ def test_a_checkpoint_round_trips_every_field(tmp_path: Path) -> None:
     assert ckpt.matches(loaded, {"job": "j"}, ["w", "b"]) == "the model's parameters differ"
     np.testing.assert_array_equal(loaded.params["w"], snap.params["w"])
     assert [x.tolist() for x in loaded.opt_leaves] == [[0.0, 0.0], 3]
-    g = _fragment(0)
+    g = _fragment(0, on_device)
     ckpt.restore_fragment(0, g, loaded.fragments[0], loaded.arrays)
     assert (g.version, g.steps, g.tokens, g.compute_seconds) == (4, 1, 100, 0.25)
     assert g.awaiting_above == f.awaiting_above

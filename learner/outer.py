@@ -17,8 +17,10 @@ compute is lost.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from services.codec import Codec, ErrorFeedback, Segment
 
@@ -58,6 +60,27 @@ def merge_global(theta: np.ndarray, global_value: np.ndarray, alpha: float) -> n
     return (alpha * theta + (1.0 - alpha) * global_value).astype(np.float32)
 
 
+class Feedback(Protocol):
+    """A fragment's error feedback: services.codec.ErrorFeedback on the host, or
+    learner.device_codec.DeviceFeedback, whose residual stays on the learner's device."""
+
+    norms: tuple[float, ...]  # each tensor's L2 norm of what the last encoding decodes to
+
+    @property
+    def residual(self) -> np.ndarray | None: ...
+
+    @residual.setter
+    def residual(self, value: np.ndarray | None) -> None: ...
+
+    def encode(self, delta: np.ndarray) -> list[Segment]: ...
+
+
+class FeedbackFactory(Protocol):
+    def __call__(
+        self, codec: Codec, block_size: int, *, tensor_sizes: tuple[int, ...]
+    ) -> Feedback: ...
+
+
 @dataclass(frozen=True)
 class Send:
     """One update as taken at its step: the anchor and the counters since it."""
@@ -75,7 +98,7 @@ class FragmentState:
 
     base: np.ndarray  # anchor: the global value the local fragment evolves from
     version: int
-    feedback: ErrorFeedback
+    feedback: Feedback
     steps: int = 0
     tokens: int = 0
     compute_seconds: float = 0.0
@@ -84,7 +107,9 @@ class FragmentState:
     awaiting_above: int | None = None  # sent: adopt the first version above this
     due: bool = False  # due, but its previous send is still in flight
     keep_progress: bool = True  # steps taken while in flight survive the reply
-    sent_theta: np.ndarray | None = None  # the fragment as the in-flight update took it
+    # The fragment as the in-flight update took it: on the host, or left on the device
+    # (np.asarray brings it over).
+    sent_theta: npt.ArrayLike | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -120,7 +145,7 @@ class FragmentState:
     def local_value(self, theta: np.ndarray, global_value: np.ndarray, alpha: float) -> np.ndarray:
         """What the local fragment becomes when `global_value` is adopted."""
         if self.keep_progress and self.sent_theta is not None:
-            return rebase(theta, self.sent_theta, global_value)
+            return rebase(theta, np.asarray(self.sent_theta, np.float32), global_value)
         return merge_global(theta, global_value, alpha)
 
     def carry_onto(self, theta: np.ndarray, global_value: np.ndarray, version: int) -> np.ndarray:
@@ -130,7 +155,8 @@ class FragmentState:
         restored from its checkpoint does this on rejoining, so its next update is based on
         the current version instead of a stale one. Without kept progress it overwrites."""
         if self.keep_progress:
-            ref = self.sent_theta if self.in_flight and self.sent_theta is not None else self.base
+            taken = self.in_flight and self.sent_theta is not None
+            ref = np.asarray(self.sent_theta, np.float32) if taken else self.base
             local = rebase(theta, ref, global_value)
         else:
             local = global_value.copy()
@@ -166,15 +192,17 @@ class OuterState:
         block_size: int,
         keep_progress: bool = True,
         tensor_sizes: list[tuple[int, ...]] | None = None,
+        feedback: FeedbackFactory = ErrorFeedback,
     ) -> OuterState:
-        """`tensor_sizes`: each fragment's tensors, whose norms each update reports."""
+        """`tensor_sizes`: each fragment's tensors, whose norms each update reports;
+        `feedback` makes each fragment's error feedback."""
         sizes = tensor_sizes or [() for _ in globals_]
         return cls(
             [
                 FragmentState(
                     value.copy(),
                     version,
-                    ErrorFeedback(codec, block_size, tensor_sizes=sizes[p]),
+                    feedback(codec, block_size, tensor_sizes=sizes[p]),
                     keep_progress=keep_progress,
                 )
                 for p, (version, value) in enumerate(globals_)

@@ -20,8 +20,10 @@ parameters back, with any newly adopted fragment written into them:
 Parameters are any pytree of float32 arrays with the structure of `shapes`; leaves are named
 by their paths (`blocks/3/attn/qkv`), which is what the fragment layout and the wire see.
 `after_step` never waits on the network in decoupled mode: an update's device-side copy is
-taken at once and the encoder thread copies it to the host, encodes and queues it. In sync
-mode it waits at each fragment's sync until that fragment is merged (classic DiLoCo).
+taken at once and the encoder thread encodes and queues it: int8 and int4 on the device
+itself (learner/device_codec.py), so only the encoded bytes cross to the host, other codecs
+after copying it to the host. In sync mode it waits at each fragment's sync until that
+fragment is merged (classic DiLoCo).
 
 Threads: the caller's thread owns the fragments' bookkeeping and the parameters it passes
 in; the encoder thread (one, so each fragment's error feedback stays in order) owns the
@@ -49,6 +51,7 @@ import numpy as np
 import structlog
 
 from learner import checkpoint as ckpt
+from learner import device_codec
 from learner.client import GlobalFragment, SynchronizerClient
 from learner.outer import OuterState, due_fragments, sync_round
 from learner.settings import LearnerSettings
@@ -126,6 +129,9 @@ class SyncEngine:
         self._slots: ckpt.Slots | None = None
         self._refetch: set[int] = set()
         self._sent: dict[int, dict[str, jax.Array]] = {}  # in flight: the leaves as sent
+        # With a codec encoded on the device (int8, int4): each fragment's anchor there too,
+        # in layout order, so an update's outer gradient never crosses as float32.
+        self._anchors: dict[int, list[jax.Array]] | None = None
         self._flat: FlatParams = {}  # the parameters during a call, as named leaves
         tm.LEARNER_PARAMETERS.set(sum(s.size for s in self.specs))
         self.client = SynchronizerClient(
@@ -186,11 +192,21 @@ class SyncEngine:
             self.block_size,
             keep_progress=cfg.keep_overlap_progress,
             tensor_sizes=[tuple(leaf.size for leaf in f.leaves) for f in self.layout.fragments],
+            feedback=(
+                device_codec.DeviceFeedback
+                if device_codec.supports(self.codec)
+                else codecs.ErrorFeedback
+            ),
         )
         values: dict[str, np.ndarray] = {}
         for g in globals_:
             values.update(self.layout.scatter(g.fragment, g.values))
         params = jax.device_put(self.named.unflatten(values), sharding)  # type: ignore[arg-type]
+        if device_codec.supports(self.codec):
+            self._anchors = {}
+            placed = self.named.flatten(params)
+            for p in range(self.fragments):  # copies: the loop may donate the parameters
+                self._set_anchor(p, {n: jnp.copy(placed[n]) for n in self._names(p)})
         tm.REJOINS.inc()
         log.info(
             "joined",
@@ -200,6 +216,7 @@ class SyncEngine:
             fragments=self.fragments,
             inner_steps=self.inner_steps,
             codec=self.codec.name,
+            encodes_on="host" if self._anchors is None else "device",
             versions=[g.version for g in globals_],
             initialized_job=not welcome.initialized,
         )
@@ -303,26 +320,43 @@ class SyncEngine:
             flat.update(self.layout.scatter(p, f.latest if newer else f.base))  # type: ignore[arg-type]
         return jax.device_put(self.named.unflatten(flat), sharding)  # type: ignore[arg-type]
 
+    def _names(self, p: int) -> list[str]:
+        return [leaf.name for leaf in self.layout.fragments[p].leaves]
+
+    def _set_anchor(self, p: int, leaves: dict[str, jax.Array]) -> None:
+        """Fragment p's anchor on the device (buffers the loop never donates), when its
+        updates are encoded there."""
+        if self._anchors is not None:
+            self._anchors[p] = [leaves[n] for n in self._names(p)]
+
     def _send(self, p: int) -> None:
         """Start fragment p's update; the encoder thread finishes and queues it."""
         f = self.outer.fragments[p]
         send = f.begin_send()
-        names = [leaf.name for leaf in self.layout.fragments[p].leaves]
+        names = self._names(p)
         # A device-side copy: the loop's step may donate the parameters' buffers. It also
         # stays on the device until the reply comes: the rebase is computed there.
         snapshot = [jnp.copy(self._flat[n]) for n in names]
         self._sent[p] = dict(zip(names, snapshot, strict=True))
+        anchor = None if self._anchors is None else self._anchors[p]
+
+        def encode() -> list[codecs.Segment]:
+            feedback = f.feedback
+            if anchor is not None and isinstance(feedback, device_codec.DeviceFeedback):
+                # Encoded where it was computed: only the bytes and the norms cross over.
+                f.sent_theta = _LeftOnDevice(self.layout, p, names, snapshot)
+                return feedback.encode_update(anchor, snapshot)
+            host = dict(zip(names, jax.device_get(snapshot), strict=True))
+            return f.encode(send, self.layout.gather(p, host))
 
         def encode_and_queue() -> tuple[int, int, float]:
-            host = dict(zip(names, jax.device_get(snapshot), strict=True))
-            theta = self.layout.gather(p, host)
             seq = self.client.send_update(
                 fragment=p,
-                payload=f.encode(send, theta),
+                payload=encode(),
                 tensor_norms=f.feedback.norms,  # radial merging reads them first
                 codec=self.codec.wire,
                 block_size=self.block_size,
-                num_elements=theta.size,
+                num_elements=self.layout.fragments[p].num_elements,
                 base_version=send.version,
                 c_steps=send.steps,
                 c_tokens=send.tokens,
@@ -364,11 +398,13 @@ class SyncEngine:
         if f.keep_progress and f.sent_theta is not None and sent is not None:
             # theta <- Theta + (theta - theta_sent), on the device: nothing waits for the
             # step in flight, and only the new global value crosses to the device.
+            incoming = {}
             for name, leaf in self.layout.scatter(p, value).items():
                 current = self._flat[name]
-                incoming = jax.device_put(jnp.asarray(leaf), current.sharding)
-                self._flat[name] = _rebase(incoming, current, sent[name])
+                incoming[name] = jax.device_put(jnp.asarray(leaf), current.sharding)
+                self._flat[name] = _rebase(incoming[name], current, sent[name])
             f.adopt(value, version)
+            self._set_anchor(p, incoming)
             return
         needs_local = self.alpha or (f.keep_progress and f.sent_theta is not None)
         theta = self.layout.gather(p, self._host_leaves(p)) if needs_local else value
@@ -376,6 +412,14 @@ class SyncEngine:
         f.adopt(value, version)
         for name, leaf in self.layout.scatter(p, merged).items():
             self._flat[name] = jax.device_put(jnp.asarray(leaf), self._flat[name].sharding)
+        if self._anchors is not None:  # the global value, which `merged` may not be
+            self._set_anchor(
+                p,
+                {
+                    name: jax.device_put(jnp.asarray(leaf), self._flat[name].sharding)
+                    for name, leaf in self.layout.scatter(p, value).items()
+                },
+            )
 
     def _wait_for(self, p: int, source: str, timeout: float = FINAL_SYNC_TIMEOUT_S) -> None:
         """Block until fragment p's reply is adopted (sync mode, final sync)."""
@@ -641,6 +685,20 @@ class SyncEngine:
             versions=[f.version for f in self.outer.fragments],
         )
         return Restored(self.named.unflatten(placed), loaded.opt_leaves, loaded.meta)
+
+
+class _LeftOnDevice:
+    """A fragment's leaves as an update took them, left on the device; `np.asarray`
+    gathers them on the host (a checkpoint taken while the update is in flight does)."""
+
+    def __init__(
+        self, layout: FragmentLayout, p: int, names: list[str], leaves: list[jax.Array]
+    ) -> None:
+        self.layout, self.p, self.names, self.leaves = layout, p, names, leaves
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        host = dict(zip(self.names, jax.device_get(self.leaves), strict=True))
+        return np.asarray(self.layout.gather(self.p, host), dtype)
 
 
 @jax.jit

@@ -2,11 +2,13 @@
 
 Every codec is a pair of pure, vectorized numpy functions. Decoding checks the payload's
 length against what the header promises and refuses non-finite values, so a corrupt or
-hostile payload never reaches the merge.
+hostile payload never reaches the merge. The blockwise codecs (per-block scales, then packed
+codes) decode through services.blockwise, at the synchronizer's speed.
 
-Decoders are the synchronizer's hot path (every update it merges), so they write each value
-once: a packed byte becomes its float32 values through a 256-row table, a chunk at a time,
-and each chunk is multiplied by its blocks' scales in place while it is still in cache.
+int8 and int4 encode with multiplications by correctly rounded reciprocals, and count values
+below float32's smallest normal as zero: that is what an accelerator computes exactly (XLA
+divides approximately on GPUs, by a constant through its reciprocal, and flushes such
+values), so learner.device_codec encodes them on the learner's device to the same bytes.
 """
 
 from __future__ import annotations
@@ -19,14 +21,28 @@ import ml_dtypes
 import numpy as np
 import xxhash
 
+from services.blockwise import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
+from services.blockwise import (
+    FLOAT32_MAX,
+    Blockwise,
+    blocks_of,
+    byte_table,
+    check_block_size,
+    check_limit,
+    expect_len,
+    finite,
+    int8_levels,
+    offset_nibble_levels,
+    scale_blocks,
+    scales_and_body,
+    table_levels,
+    target,
+)
+from services.blockwise import MAX_BLOCK_SIZE as MAX_BLOCK_SIZE
+from services.blockwise import CodecError as CodecError
 from services.gen.atoll.v1 import fragment_pb2
 
-DEFAULT_BLOCK_SIZE = 256
-MAX_BLOCK_SIZE = 1 << 20
-
-
-class CodecError(ValueError):
-    """A payload or codec parameter is invalid; the message says what and what to do."""
+FLOAT32_TINY = np.float32(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 
 def checksum(payload: bytes | memoryview) -> int:
@@ -35,97 +51,13 @@ def checksum(payload: bytes | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(payload))
 
 
-def _blocks(n: int, block_size: int) -> int:
-    return -(-n // block_size)
-
-
-def _check_block_size(block_size: int) -> None:
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise CodecError(
-            f"block_size {block_size} is out of range; use 1..{MAX_BLOCK_SIZE} "
-            f"(default {DEFAULT_BLOCK_SIZE})"
-        )
-
-
-def _expect_len(payload: bytes, expected: int, what: str) -> None:
-    if len(payload) != expected:
-        raise CodecError(
-            f"{what} payload is {len(payload)} bytes, expected {expected} for the values "
-            "announced in its header; the header or the payload is corrupt"
-        )
-
-
-def _finite(values: np.ndarray) -> np.ndarray:
-    if not np.isfinite(values).all():
-        raise CodecError("payload holds NaN or Inf values; the learner's update diverged")
-    return values
-
-
-def _scales_and_body(
-    payload: bytes, n: int, block_size: int, body_len: int, what: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """A payload of per-block float32 scales then `body_len` bytes: the checked scales, and
-    the body as bytes."""
-    _check_block_size(block_size)
-    nb = _blocks(n, block_size)
-    _expect_len(payload, 4 * nb + body_len, what)
-    scales = _finite(np.frombuffer(payload, "<f4", count=nb))
-    if (scales < 0).any():
-        raise CodecError(f"{what} payload has a negative block scale; the payload is corrupt")
-    return scales, np.frombuffer(payload, np.uint8, offset=4 * nb)
-
-
-# Values decoded per chunk: small enough that a chunk stays in cache between its table
-# lookup and its scaling, large enough that the Python loop costs nothing.
-DECODE_CHUNK = 1 << 15
-
-
-def _scale_blocks(values: np.ndarray, scales: np.ndarray, block_size: int, out: np.ndarray) -> None:
-    """out = values times their block's scale; values start at a block's first value."""
-    full = values.size // block_size
-    head = full * block_size
-    np.multiply(
-        values[:head].reshape(full, block_size),
-        scales[:full, None],
-        out=out[:head].reshape(full, block_size),
-    )
-    if head < values.size:
-        np.multiply(values[head:], scales[full], out=out[head:])
-
-
-def _byte_table(levels: np.ndarray, per_byte: int) -> np.ndarray:
-    """(256, per_byte) float32: each byte's codes, lowest bits first, as their levels."""
-    bits = 8 // per_byte
-    codes = (np.arange(256)[:, None] >> (bits * np.arange(per_byte))) & ((1 << bits) - 1)
-    return np.ascontiguousarray(levels[codes], np.float32)
-
-
-def _decode_packed(
-    body: np.ndarray, table: np.ndarray, scales: np.ndarray, n: int, block_size: int
-) -> np.ndarray:
-    """n values packed table.shape[1] a byte: looked up, then scaled by their block's scale."""
-    per_byte = table.shape[1]
-    out = np.empty(body.size * per_byte, np.float32)
-    rows = per_byte * max(1, DECODE_CHUNK // (block_size * per_byte))
-    step = rows * block_size  # values a chunk: whole blocks and whole bytes
-    for start in range(0, n, step):
-        stop = min(start + step, n)
-        packed = body[start // per_byte : -(-stop // per_byte)]
-        chunk = out[start : start + packed.size * per_byte]
-        # mode="clip" (bytes are always in range): with "raise", take buffers its output.
-        np.take(table, packed, axis=0, out=chunk.reshape(-1, per_byte), mode="clip")
-        values = chunk[: stop - start]
-        _scale_blocks(values, scales[start // block_size :], block_size, values)
-    return out[:n]
-
-
 def _encode_fp32(x: np.ndarray, _: int) -> bytes:
     return np.ascontiguousarray(x, "<f4").tobytes()
 
 
 def _decode_fp32(payload: bytes, n: int, _: int) -> np.ndarray:
-    _expect_len(payload, 4 * n, "fp32")
-    return _finite(np.frombuffer(payload, "<f4").astype(np.float32))
+    expect_len(payload, 4 * n, "fp32")
+    return finite(np.frombuffer(payload, "<f4").astype(np.float32))
 
 
 def _encode_bf16(x: np.ndarray, _: int) -> bytes:
@@ -133,36 +65,21 @@ def _encode_bf16(x: np.ndarray, _: int) -> bytes:
 
 
 def _decode_bf16(payload: bytes, n: int, _: int) -> np.ndarray:
-    _expect_len(payload, 2 * n, "bf16")
-    return _finite(np.frombuffer(payload, ml_dtypes.bfloat16).astype(np.float32))
-
-
-def _encode_int8(x: np.ndarray, block_size: int) -> bytes:
-    blocks, absmax = _absmax_blocks(np.asarray(x, np.float32), block_size)
-    scales = absmax / 127.0
-    safe = np.where(scales > 0, scales, 1.0)[:, None]
-    q = np.clip(np.rint(blocks / safe), -127, 127).astype(np.int8).ravel()[: x.size]
-    return scales.astype("<f4").tobytes() + q.tobytes()
-
-
-def _decode_int8(payload: bytes, n: int, block_size: int) -> np.ndarray:
-    scales, body = _scales_and_body(payload, n, block_size, n, "int8")
-    out = np.empty(n, np.float32)
-    _scale_blocks(body.view(np.int8), scales, block_size, out)
-    return out
+    expect_len(payload, 2 * n, "bf16")
+    return finite(np.frombuffer(payload, ml_dtypes.bfloat16).astype(np.float32))
 
 
 def _padded_blocks(x: np.ndarray, block_size: int) -> np.ndarray:
     """x (float32) padded with zeros into rows of block_size."""
-    _check_block_size(block_size)
-    padded = np.zeros(_blocks(x.size, block_size) * block_size, np.float32)
+    check_block_size(block_size)
+    padded = np.zeros(blocks_of(x.size, block_size) * block_size, np.float32)
     padded[: x.size] = x
     return padded.reshape(-1, block_size)
 
 
 def _block_counts(n: int, block_size: int) -> np.ndarray:
     """How many of each block's values are real (the last block may be short)."""
-    counts = np.full(_blocks(n, block_size), block_size, np.float32)
+    counts = np.full(blocks_of(n, block_size), block_size, np.float32)
     if n:
         counts[-1] = n - (counts.size - 1) * block_size
     return counts
@@ -172,6 +89,71 @@ def _absmax_blocks(x: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarr
     """x padded into blocks, and each block's absmax (float32)."""
     blocks = _padded_blocks(x, block_size)
     return blocks, np.abs(blocks).max(axis=1).astype(np.float32)
+
+
+# Values encoded a chunk (whole blocks, an even number): their float32 values stay in cache.
+ENCODE_CHUNK = 1 << 16
+# Only a block's scale below this lets a value under float32's smallest normal round to a
+# nonzero code (|value * (1 / scale)| >= 1/2): such blocks are encoded again, flushed.
+_SMALL_SCALE = np.float32(2.0**-124)
+
+
+def uniform_payload(x: np.ndarray, block_size: int, largest: int, per_byte: int) -> bytes:
+    """Blockwise uniform quantization to codes -largest..largest, as a payload of the
+    blocks' float32 scales then the codes (int8: one signed byte each; 4-bit: q + 8, two a
+    byte, the first in the low nibble).
+
+    The definition, which learner.device_codec computes on an accelerator to the same bytes:
+    values below float32's smallest normal count as zero; a block's scale is its absmax
+    times float32(1 / largest), zero if below the smallest normal; a value's code is
+    rint(value * (1 / scale)) (the reciprocal correctly rounded, ties to even), clipped,
+    and 0 where the scale is. Worked a chunk at a time, in cache."""
+    check_block_size(block_size)
+    x = np.ascontiguousarray(x, np.float32).reshape(-1)
+    n, nb = x.size, blocks_of(x.size, block_size)
+    out = np.empty(4 * nb + -(-n // per_byte), np.uint8)
+    scales, body = out[: 4 * nb].view("<f4"), out[4 * nb :]
+    step = max(1, ENCODE_CHUNK // (2 * block_size)) * 2 * block_size
+    buf = np.empty(min(step, n), np.float32)
+    packed = np.empty(min(step, n) // 2 + 1, "<u2")
+    inverse = np.float32(1 / largest)
+    for start in range(0, n, step):
+        chunk = x[start : start + step]
+        m, full, first = chunk.size, chunk.size // block_size, start // block_size
+        mag = np.abs(chunk, out=buf[:m])
+        scale = scales[first : first + blocks_of(m, block_size)]
+        np.max(mag[: full * block_size].reshape(full, block_size), axis=1, out=scale[:full])
+        if full < scale.size:
+            scale[full] = mag[full * block_size :].max()
+        np.multiply(scale, inverse, out=scale)
+        scale[scale < FLOAT32_TINY] = 0
+        recip = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+        codes = buf[:m]
+        scale_blocks(chunk, recip, block_size, codes)
+        for b in np.flatnonzero((scale > 0) & (scale < _SMALL_SCALE)):
+            values = chunk[b * block_size : (b + 1) * block_size]
+            tiny = np.where(np.abs(values) < FLOAT32_TINY, np.float32(0), values)
+            np.multiply(tiny, recip[b], out=codes[b * block_size : (b + 1) * block_size])
+        np.clip(np.rint(codes, out=codes), -largest, largest, out=codes)
+        if per_byte == 1:
+            np.copyto(body[start : start + m].view(np.int8), codes, casting="unsafe")
+            continue
+        nibbles = packed.view(np.uint8)[: m + m % 2]
+        np.add(codes, 8, out=codes)
+        np.copyto(nibbles[:m], codes, casting="unsafe")
+        nibbles[m:] = 0  # an odd count's last byte: its high nibble is 0
+        pairs = packed[: nibbles.size // 2]
+        high = np.right_shift(pairs, 4)
+        np.bitwise_and(high, 0xF0, out=high)
+        np.bitwise_and(pairs, 0x0F, out=pairs)
+        np.bitwise_or(pairs, high, out=pairs)
+        np.copyto(body[start // 2 : start // 2 + pairs.size], pairs, casting="unsafe")
+    return out.tobytes()
+
+
+def _encode_int8(x: np.ndarray, block_size: int) -> bytes:
+    """Blockwise uniform 8-bit: codes -127..127 (uniform_payload), one signed byte each."""
+    return uniform_payload(x, block_size, 127, 1)
 
 
 def _pack_nibbles(codes: np.ndarray) -> bytes:
@@ -190,20 +172,8 @@ def _unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
 
 
 def _encode_int4(x: np.ndarray, block_size: int) -> bytes:
-    """Blockwise uniform 4-bit: q = round(x / (absmax / 7)) in -7..7, stored as q + 8."""
-    blocks, absmax = _absmax_blocks(np.asarray(x, np.float32), block_size)
-    scales = absmax / 7.0
-    safe = np.where(scales > 0, scales, 1.0)[:, None]
-    q = np.clip(np.rint(blocks / safe), -7, 7).astype(np.int8).ravel()[: x.size]
-    return scales.astype("<f4").tobytes() + _pack_nibbles((q + 8).astype(np.uint8))
-
-
-_INT4_TABLE = _byte_table(np.arange(16, dtype=np.float32) - 8.0, 2)
-
-
-def _decode_int4(payload: bytes, n: int, block_size: int) -> np.ndarray:
-    scales, body = _scales_and_body(payload, n, block_size, (n + 1) // 2, "int4")
-    return _decode_packed(body, _INT4_TABLE, scales, n, block_size)
+    """Blockwise uniform 4-bit: codes q in -7..7 (uniform_payload), stored as q + 8."""
+    return uniform_payload(x, block_size, 7, 2)
 
 
 E3M0_MIN_EXP = -6  # magnitudes absmax * 2^e for e in -6..0, and zero
@@ -233,18 +203,6 @@ def _e3m0_levels() -> np.ndarray:
     return np.where(codes & 8, -magnitude, magnitude).astype(np.float32)
 
 
-_E3M0_TABLE = _byte_table(_e3m0_levels(), 2)
-
-
-def _decode_e3m0(payload: bytes, n: int, block_size: int) -> np.ndarray:
-    absmax, body = _scales_and_body(payload, n, block_size, (n + 1) // 2, "e3m0")
-    return _decode_packed(body, _E3M0_TABLE, absmax, n, block_size)
-
-
-def _check_nibbles(payload: bytes, n: int, block_size: int, what: str) -> None:
-    _scales_and_body(payload, n, block_size, (n + 1) // 2, what)
-
-
 def _encode_int2(x: np.ndarray, block_size: int) -> bytes:
     """Two bits a value, four levels (q - 1.5) * s for q in 0..3, s the block's root mean
     square (float32): uniform 2-bit quantization with the step that suits Gaussian values.
@@ -260,22 +218,6 @@ def _encode_int2(x: np.ndarray, block_size: int) -> bytes:
     return bytes(scales.astype("<f4").tobytes() + packed.tobytes())
 
 
-def _int2_parts(payload: bytes, n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    return _scales_and_body(payload, n, block_size, (n + 3) // 4, "int2")
-
-
-def _check_int2(payload: bytes, n: int, block_size: int) -> None:
-    _int2_parts(payload, n, block_size)
-
-
-_INT2_TABLE = _byte_table(np.arange(4, dtype=np.float32) - 1.5, 4)
-
-
-def _decode_int2(payload: bytes, n: int, block_size: int) -> np.ndarray:
-    scales, packed = _int2_parts(payload, n, block_size)
-    return _decode_packed(packed, _INT2_TABLE, scales, n, block_size)
-
-
 def _encode_sign(x: np.ndarray, block_size: int) -> bytes:
     """One bit a value: its sign, times its block's mean magnitude (the scale that makes a
     block's encoding closest to it), float32. Bit set: positive; a value of zero is sent as
@@ -288,35 +230,19 @@ def _encode_sign(x: np.ndarray, block_size: int) -> bytes:
     return bytes(scales.astype("<f4").tobytes() + bits.tobytes())
 
 
-def _sign_parts(payload: bytes, n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    return _scales_and_body(payload, n, block_size, (n + 7) // 8, "sign")
-
-
-def _check_sign(payload: bytes, n: int, block_size: int) -> None:
-    _sign_parts(payload, n, block_size)
-
-
-_SIGN_TABLE = _byte_table(np.array([-1.0, 1.0], np.float32), 8)
-
-
-def _decode_sign(payload: bytes, n: int, block_size: int) -> np.ndarray:
-    scales, packed = _sign_parts(payload, n, block_size)
-    return _decode_packed(packed, _SIGN_TABLE, scales, n, block_size)
-
-
 TOPK_SHARE = 32  # topk keeps the 1/32 largest values of each block
 
 
 def _topk_layout(n: int, block_size: int) -> tuple[int, int, np.dtype[np.unsignedinteger]]:
     """Blocks, values kept per block, and the dtype of their offsets in the block."""
-    _check_block_size(block_size)
+    check_block_size(block_size)
     kept = max(1, block_size // TOPK_SHARE)
     offset: np.dtype[np.unsignedinteger] = np.dtype("<u4")
     if block_size <= 1 << 8:
         offset = np.dtype("u1")
     elif block_size <= 1 << 16:
         offset = np.dtype("<u2")
-    return _blocks(n, block_size), kept, offset
+    return blocks_of(n, block_size), kept, offset
 
 
 def _encode_topk(x: np.ndarray, block_size: int) -> bytes:
@@ -344,7 +270,7 @@ def _topk_parts(
     """Checked scales, offsets (blocks x kept) and codes of a topk payload."""
     nb, kept, offset = _topk_layout(n, block_size)
     offsets_len = offset.itemsize * nb * kept
-    scales, body = _scales_and_body(
+    scales, body = scales_and_body(
         payload, n, block_size, offsets_len + (nb * kept + 1) // 2, "topk"
     )
     where = np.frombuffer(body[:offsets_len].tobytes(), offset).reshape(nb, kept)
@@ -371,14 +297,15 @@ def _decode_topk(payload: bytes, n: int, block_size: int) -> np.ndarray:
 
 def _check_float(itemsize: int, dtype: object, what: str) -> Callable[[bytes, int, int], None]:
     def check(payload: bytes, n: int, _: int) -> None:
-        _expect_len(payload, itemsize * n, what)
-        _finite(np.frombuffer(payload, dtype))  # type: ignore[call-overload]
+        expect_len(payload, itemsize * n, what)
+        finite(np.frombuffer(payload, dtype))  # type: ignore[call-overload]
 
     return check
 
 
-def _check_int8(payload: bytes, n: int, block_size: int) -> None:
-    _scales_and_body(payload, n, block_size, n, "int8")
+_E3M0 = Blockwise("e3m0", 2, 1.0, table_levels(byte_table(_e3m0_levels(), 2)))
+_INT2 = Blockwise("int2", 4, 1.5, table_levels(byte_table(np.arange(4, dtype=np.float32) - 1.5, 4)))
+_SIGN = Blockwise("sign", 8, 1.0, table_levels(byte_table(np.array([-1.0, 1.0], np.float32), 8)))
 
 
 @dataclass(frozen=True)
@@ -390,6 +317,39 @@ class Codec:
     # Validates length, parameters and finiteness without building the decoded array: the
     # synchronizer runs it on every update it admits.
     check: Callable[[bytes, int, int], None]
+    blockwise: Blockwise | None = None  # per-block scales then packed codes
+
+    @classmethod
+    def of_blocks(
+        cls, name: str, wire: int, encode: Callable[[np.ndarray, int], bytes], blockwise: Blockwise
+    ) -> Codec:
+        return cls(name, wire, encode, blockwise.decode, blockwise.check, blockwise)
+
+    def decode_into(
+        self,
+        acc: np.ndarray,
+        weight: float,
+        segment: Segment,
+        block_size: int,
+        limit: float = FLOAT32_MAX,
+    ) -> float:
+        """acc[segment.offset : segment.offset + segment.count] += float32(weight) times the
+        segment's decoded values, bit for bit what decoding, then multiplying by the weight
+        and adding in float32 give (the synchronizer's accumulator), without building the
+        decoded segment for blockwise codecs. Returns the decoded values' sum of squares.
+        Raises CodecError, with `acc` untouched, for a payload `check` refuses, a segment
+        outside `acc`, or values that times the weight could pass `limit` in magnitude."""
+        if self.blockwise is not None:
+            return self.blockwise.decode_into(
+                acc, weight, segment.offset, segment.count, segment.data, block_size, limit
+            )
+        values = self.decode(segment.data, segment.count, block_size)
+        part = target(acc, segment.offset, segment.count, self.name)
+        check_limit(float(np.abs(values).max()) if values.size else 0.0, weight, limit, self.name)
+        squares = float(np.dot(values, values))
+        np.multiply(values, np.float32(weight), out=values)
+        np.add(part, values, out=part)
+        return squares
 
 
 REGISTRY: dict[str, Codec] = {
@@ -409,23 +369,18 @@ REGISTRY: dict[str, Codec] = {
             _decode_bf16,
             _check_float(2, ml_dtypes.bfloat16, "bf16"),
         ),
-        Codec("int8", fragment_pb2.CODEC_INT8, _encode_int8, _decode_int8, _check_int8),
-        Codec(
+        Codec.of_blocks(
+            "int8", fragment_pb2.CODEC_INT8, _encode_int8, Blockwise("int8", 1, 127.0, int8_levels)
+        ),
+        Codec.of_blocks(
             "int4-uniform",
             fragment_pb2.CODEC_INT4,
             _encode_int4,
-            _decode_int4,
-            lambda p, n, b: _check_nibbles(p, n, b, "int4"),
+            Blockwise("int4", 2, 8.0, offset_nibble_levels),
         ),
-        Codec(
-            "e3m0",
-            fragment_pb2.CODEC_E3M0,
-            _encode_e3m0,
-            _decode_e3m0,
-            lambda p, n, b: _check_nibbles(p, n, b, "e3m0"),
-        ),
-        Codec("int2", fragment_pb2.CODEC_INT2, _encode_int2, _decode_int2, _check_int2),
-        Codec("sign", fragment_pb2.CODEC_SIGN, _encode_sign, _decode_sign, _check_sign),
+        Codec.of_blocks("e3m0", fragment_pb2.CODEC_E3M0, _encode_e3m0, _E3M0),
+        Codec.of_blocks("int2", fragment_pb2.CODEC_INT2, _encode_int2, _INT2),
+        Codec.of_blocks("sign", fragment_pb2.CODEC_SIGN, _encode_sign, _SIGN),
         Codec(
             "topk",
             fragment_pb2.CODEC_TOPK,

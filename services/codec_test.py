@@ -313,3 +313,50 @@ def test_table_decoders_are_bit_identical_to_unpacking_each_value(
     out = c.decode(payload, n, block)
     assert out.dtype == np.float32
     assert out.tobytes() == _unpacked_reference(name, payload, n, block).tobytes()
+
+
+@pytest.mark.parametrize("name", sorted(codecs.REGISTRY))
+@pytest.mark.parametrize(("n", "block"), [(1, 1), (7, 3), (1001, 7), (150_001, 256)])
+def test_decode_into_adds_what_decoding_then_weighing_adds_bit_for_bit(
+    name: str, n: int, block: int
+) -> None:
+    """The synchronizer's accumulator (synchronizer.merge.Accumulator.add): values times
+    float32(weight), then added, in float32; decode_into never builds the decoded segment."""
+    codec = codecs.by_name(name)
+    rng = np.random.default_rng(n)
+    x = rng.standard_t(3, size=n).astype(np.float32)
+    x[: min(n, block)] = 0.0
+    segments, _ = codecs.encode_segments(codec, x, block, 20_000)
+    for weight in (1.0, 0.37, -2.5):
+        acc = rng.normal(size=n + 5).astype(np.float32)
+        expected = acc.copy()
+        for s in segments:
+            values = codec.decode(s.data, s.count, block)
+            squares = float(np.dot(values.astype(np.float64), values))
+            np.multiply(values, np.float32(weight), out=values)
+            part = expected[s.offset + 5 : s.offset + 5 + s.count]
+            np.add(part, values, out=part)
+            shifted = codecs.Segment(s.offset + 5, s.count, s.data)
+            assert codec.decode_into(acc, weight, shifted, block) == pytest.approx(squares, 1e-5)
+        assert acc.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("name", sorted(codecs.REGISTRY))
+def test_decode_into_refuses_without_touching_the_accumulator(name: str) -> None:
+    codec = codecs.by_name(name)
+    x = np.linspace(-1, 1, 300, dtype=np.float32)
+    data = codec.encode(x, 64)
+    acc = np.ones(400, np.float32)
+    refused = [
+        (codecs.Segment(0, 300, data[:-1]), 1.0, "expected"),
+        (codecs.Segment(101, 300, data), 1.0, "outside"),
+        (codecs.Segment(-1, 300, data), 1.0, "outside"),
+        (codecs.Segment(0, 300, data), 1e39, "could reach"),  # inf in float32
+    ]
+    for segment, weight, why in refused:
+        with pytest.raises(codecs.CodecError, match=why):
+            codec.decode_into(acc, weight, segment, 64)
+        assert np.all(acc == 1.0)
+    with pytest.raises(codecs.CodecError, match="could reach"):
+        codec.decode_into(acc, 3.0, codecs.Segment(0, 300, data), 64, limit=2.0)
+    assert np.all(acc == 1.0)

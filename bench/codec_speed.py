@@ -1,0 +1,169 @@
+"""`atoll bench codec-speed`: how fast each codec encodes and decodes, on one host core and
+on the learner's device, side by side in one run.
+
+Host, one core (numpy's element-wise loops are single-threaded; run it with
+OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 so that BLAS is too): each codec encodes a
+`--values` Gaussian vector segment by segment as a learner sends it (`--chunk-bytes` a
+segment), decodes every segment, and decodes every segment into an accumulator with a weight
+(`Codec.decode_into`, what the synchronizer's owner runs per arriving chunk). Best of
+`--repeats`, in GB/s of float32 values and of payload bytes, from wall time and from the
+thread's CPU time (on a shared machine the latter is what one core gives).
+
+Device, for the codecs encoded there (int8, int4): one update of a fragment of `--values`
+values in `--tensors` tensors, from the anchor and the parameters as the learner holds them
+on its device, through error feedback and encoding to segments on the host
+(`DeviceFeedback.encode_update`), against what the host path does for the same update
+(copying the parameters to the host, then `ErrorFeedback.encode`); in ms, with the bytes
+each copies from the device, on whatever platform JAX has.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bench.runs import write
+from services import codec as codecs
+
+if TYPE_CHECKING:
+    from bench.settings import CodecSpeedBench
+
+
+def _best(work: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Best wall seconds and best CPU seconds of this thread over `repeats` runs."""
+    wall = cpu = float("inf")
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        work()
+        wall = min(wall, time.perf_counter() - t0)
+        cpu = min(cpu, time.thread_time() - c0)
+    return wall, cpu
+
+
+def _rates(prefix: str, seconds: tuple[float, float], values: int, payload: int) -> dict[str, Any]:
+    wall, cpu = seconds
+    return {
+        f"{prefix}_ms": round(wall * 1e3, 2),
+        f"{prefix}_gb_per_s": round(4 * values / wall / 1e9, 3),
+        f"{prefix}_payload_gb_per_s": round(payload / wall / 1e9, 3),
+        f"{prefix}_cpu_gb_per_s": round(4 * values / cpu / 1e9, 3),
+        f"{prefix}_cpu_payload_gb_per_s": round(payload / cpu / 1e9, 3),
+    }
+
+
+def _label(name: str, codec: codecs.Codec) -> str:
+    return name if codec.name == name else f"{name} ({codec.name})"
+
+
+def _host_row(name: str, x: np.ndarray, settings: CodecSpeedBench) -> dict[str, Any]:
+    """Encode, decode and decode_into of one codec on this thread."""
+    codec = codecs.by_name(name)
+    n, block, repeats = x.size, settings.block_size, settings.repeats
+    step = codecs.segment_values(codec, block, settings.chunk_bytes)
+    parts = [(s, x[s : s + step]) for s in range(0, n, step)]
+    segments = [codecs.Segment(s, part.size, codec.encode(part, block)) for s, part in parts]
+    payload = sum(len(s.data) for s in segments)
+    acc = np.zeros(n, np.float32)
+
+    def encode() -> None:
+        for _, part in parts:
+            codec.encode(part, block)
+
+    def decode() -> None:
+        for s in segments:
+            codec.decode(s.data, s.count, block)
+
+    def decode_into() -> None:
+        for s in segments:
+            codec.decode_into(acc, 0.37, s, block)
+
+    decode_into()  # the first touch of the accumulator's pages is not decoding
+    return {
+        "codec": _label(name, codec),
+        "payload_bytes": payload,
+        **_rates("encode", _best(encode, repeats), n, payload),
+        **_rates("decode", _best(decode, repeats), n, payload),
+        **_rates("decode_into", _best(decode_into, repeats), n, payload),
+    }
+
+
+def _device_row(
+    name: str,
+    anchor: list[Any],
+    theta: list[Any],
+    sizes: tuple[int, ...],
+    settings: CodecSpeedBench,
+) -> dict[str, Any]:
+    """One update of one codec encoded on the device, against the host path."""
+    import jax
+
+    from learner.device_codec import DeviceFeedback
+
+    codec = codecs.by_name(name)
+    block, chunk = settings.block_size, settings.chunk_bytes
+    on_device = DeviceFeedback(codec, block, chunk, tensor_sizes=sizes)
+    on_host = codecs.ErrorFeedback(codec, block, chunk_bytes=chunk, tensor_sizes=sizes)
+    anchor_host = np.concatenate(jax.device_get(anchor))
+
+    def device_path() -> list[codecs.Segment]:
+        return on_device.encode_update(anchor, theta)
+
+    def host_path() -> list[codecs.Segment]:
+        return on_host.encode(anchor_host - np.concatenate(jax.device_get(theta)))
+
+    first = time.perf_counter()
+    payload = sum(len(s.data) for s in device_path())  # compiles (no residual yet)
+    device_path()  # compiles (with a residual)
+    compile_s = time.perf_counter() - first
+    device_s, _ = _best(device_path, settings.repeats)
+    host_s, _ = _best(host_path, settings.repeats)
+    return {
+        "codec": _label(name, codec),
+        "device_encode_ms": round(device_s * 1e3, 2),
+        "host_encode_ms": round(host_s * 1e3, 2),
+        "host_over_device": round(host_s / device_s, 2),
+        "device_to_host_bytes": {"device": payload, "host": 4 * anchor_host.size},
+        "first_two_calls_s": round(compile_s, 2),
+    }
+
+
+def device(settings: CodecSpeedBench, x: np.ndarray) -> dict[str, Any]:
+    """int8 and int4 updates encoded on JAX's device against the host path."""
+    import jax
+    import jax.numpy as jnp
+
+    from learner.device_codec import supports
+
+    bounds = [int(b) for b in np.linspace(0, x.size, settings.tensors + 1)]
+    anchor_host = np.random.default_rng(settings.seed + 1).normal(size=x.size).astype(np.float32)
+    theta_host = anchor_host - x * np.float32(1e-3)
+    anchor = [jnp.asarray(anchor_host[a:b]) for a, b in itertools.pairwise(bounds)]
+    theta = [jnp.asarray(theta_host[a:b]) for a, b in itertools.pairwise(bounds)]
+    for array in (*anchor, *theta):
+        array.block_until_ready()
+    sizes = tuple(b - a for a, b in itertools.pairwise(bounds))
+    rows = [
+        _device_row(name, anchor, theta, sizes, settings)
+        for name in settings.codecs
+        if supports(codecs.by_name(name))
+    ]
+    first = jax.devices()[0]
+    return {"platform": first.platform, "device": first.device_kind, "runs": rows}
+
+
+def run(settings: CodecSpeedBench) -> None:
+    x = np.random.default_rng(settings.seed).normal(size=settings.values).astype(np.float32)
+    result: dict[str, Any] = {
+        "values": settings.values,
+        "block_size": settings.block_size,
+        "chunk_bytes": settings.chunk_bytes,
+        "repeats": settings.repeats,
+        "host": [_host_row(name, x, settings) for name in settings.codecs],
+    }
+    if settings.device:
+        result["device"] = device(settings, x)
+    write(result, settings.json_path)

@@ -1,0 +1,250 @@
+"""Blockwise payloads, and decoding them at the synchronizer's speed.
+
+A blockwise payload holds each block's float32 scale, then every value's code packed into
+bytes (1, 2, 4 or 8 codes a byte, the first in the lowest bits). A value decodes to its code's
+level times its block's scale, in float32.
+
+Decoding is the synchronizer's hot path: every chunk of every update it merges. It works a
+chunk of whole blocks at a time, small enough to stay in cache between its steps: the codes
+become their levels (int8 codes as they are; offset 4-bit codes unpacked with integer
+operations, eight codes a machine word; other codes through a 256-row table of each byte's
+levels), are multiplied by their blocks' scales, and are either written out (`decode`) or,
+times a weight, added into an accumulator (`decode_into`), so a decoded segment is never
+built whole. Both give, bit for bit, what decoding each value on its own gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DEFAULT_BLOCK_SIZE = 256
+MAX_BLOCK_SIZE = 1 << 20
+# Values decoded a chunk: their float32 values (512 KiB) stay in cache between the steps,
+# and the Python loop over chunks costs nothing beside them.
+DECODE_CHUNK = 1 << 17
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+class CodecError(ValueError):
+    """A payload or codec parameter is invalid; the message says what and what to do."""
+
+
+def blocks_of(n: int, block_size: int) -> int:
+    return -(-n // block_size)
+
+
+def check_block_size(block_size: int) -> None:
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise CodecError(
+            f"block_size {block_size} is out of range; use 1..{MAX_BLOCK_SIZE} "
+            f"(default {DEFAULT_BLOCK_SIZE})"
+        )
+
+
+def expect_len(payload: bytes, expected: int, what: str) -> None:
+    if len(payload) != expected:
+        raise CodecError(
+            f"{what} payload is {len(payload)} bytes, expected {expected} for the values "
+            "announced in its header; the header or the payload is corrupt"
+        )
+
+
+def finite(values: np.ndarray) -> np.ndarray:
+    if not np.isfinite(values).all():
+        raise CodecError("payload holds NaN or Inf values; the learner's update diverged")
+    return values
+
+
+def scales_and_body(
+    payload: bytes, n: int, block_size: int, body_len: int, what: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """A payload of per-block float32 scales then `body_len` bytes: the checked scales
+    (finite, not negative), and the body as bytes."""
+    check_block_size(block_size)
+    nb = blocks_of(n, block_size)
+    expect_len(payload, 4 * nb + body_len, what)
+    scales = finite(np.frombuffer(payload, "<f4", count=nb))
+    if (scales < 0).any():
+        raise CodecError(f"{what} payload has a negative block scale; the payload is corrupt")
+    return scales, np.frombuffer(payload, np.uint8, offset=4 * nb)
+
+
+def target(acc: np.ndarray, offset: int, count: int, what: str) -> np.ndarray:
+    """acc[offset : offset + count], or CodecError if the segment lies outside acc."""
+    if not 0 <= offset <= offset + count <= acc.size:
+        raise CodecError(
+            f"{what} segment of {count} values at {offset} lies outside the fragment's "
+            f"{acc.size} values; the header or the payload is corrupt"
+        )
+    return acc[offset : offset + count]
+
+
+def check_limit(largest: float, weight: float, limit: float, what: str) -> None:
+    """Refuse values whose largest magnitude times the weight could pass `limit`."""
+    if not largest * abs(weight) <= limit:
+        raise CodecError(
+            f"{what} payload's values times the weight {weight:g} could reach "
+            f"{largest * abs(weight):.3g}, past {limit:.3g}; the update diverged or the payload "
+            "is corrupt"
+        )
+
+
+def byte_table(levels: np.ndarray, per_byte: int) -> np.ndarray:
+    """(256, per_byte) float32: each byte's codes, lowest bits first, as their levels."""
+    bits = 8 // per_byte
+    codes = (np.arange(256)[:, None] >> (bits * np.arange(per_byte))) & ((1 << bits) - 1)
+    return np.ascontiguousarray(levels[codes], np.float32)
+
+
+@dataclass
+class _Scratch:
+    """One call's buffers, a chunk long."""
+
+    size: int
+    f32: np.ndarray = field(init=False)
+    i8: np.ndarray = field(init=False)
+    wide: np.ndarray = field(init=False)
+    shifted: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.f32 = np.empty(self.size, np.float32)
+        self.i8 = np.empty(self.size, np.int8)
+        self.wide = np.empty(self.size // 2 + 1, "<u2")
+        self.shifted = np.empty(self.size // 2 + 1, "<u2")
+
+
+# The levels of values [start, stop) (start at a chunk's first value): an int8 array, or
+# float32 levels written into `target` (room for whole bytes) and returned.
+Levels = Callable[[np.ndarray, int, int, _Scratch, np.ndarray], np.ndarray]
+
+
+def int8_levels(body: np.ndarray, start: int, stop: int, _: _Scratch, __: np.ndarray) -> np.ndarray:
+    """int8 codes are their own levels."""
+    return body.view(np.int8)[start:stop]
+
+
+def offset_nibble_levels(
+    body: np.ndarray, start: int, stop: int, scratch: _Scratch, _: np.ndarray
+) -> np.ndarray:
+    """4-bit codes c stored two a byte, level c - 8: each byte widened to 16 bits with its
+    high nibble moved up to the second byte, which lays the codes out one a byte in order
+    (little-endian), then 8 taken off each."""
+    packed = body[start // 2 : -(-stop // 2)]
+    wide, shifted = scratch.wide[: packed.size], scratch.shifted[: packed.size]
+    np.copyto(wide, packed, casting="unsafe")
+    np.left_shift(wide, 4, out=shifted)
+    np.bitwise_or(wide, shifted, out=wide)
+    np.bitwise_and(wide, 0x0F0F, out=wide)
+    levels = scratch.i8[: 2 * packed.size]
+    np.subtract(wide.view(np.int8), np.int8(8), out=levels)
+    return levels[: stop - start]
+
+
+def table_levels(table: np.ndarray) -> Levels:
+    """Codes packed table.shape[1] a byte, each byte looked up in `table` (byte_table)."""
+    per_byte = table.shape[1]
+
+    def levels(
+        body: np.ndarray, start: int, stop: int, _: _Scratch, target: np.ndarray
+    ) -> np.ndarray:
+        packed = body[start // per_byte : -(-stop // per_byte)]
+        room = target[: packed.size * per_byte].reshape(-1, per_byte)
+        # mode="clip" (bytes are always in range): with "raise", take buffers its output.
+        np.take(table, packed, axis=0, out=room, mode="clip")
+        return target[: stop - start]
+
+    return levels
+
+
+def scale_blocks(values: np.ndarray, scales: np.ndarray, block_size: int, out: np.ndarray) -> None:
+    """out = values times their block's scale (float32); values start at a block's first
+    value. Int8 values are cast exactly by the multiplication itself."""
+    full = values.size // block_size
+    head = full * block_size
+    np.multiply(
+        values[:head].reshape(full, block_size),
+        scales[:full, None],
+        out=out[:head].reshape(full, block_size),
+    )
+    if head < values.size:
+        np.multiply(values[head:], scales[full], out=out[head:])
+
+
+@dataclass(frozen=True)
+class Blockwise:
+    """The decoding side of a blockwise codec."""
+
+    what: str  # the codec's name, for error messages
+    per_byte: int  # codes a byte
+    largest_level: float  # the largest |level| of any code
+    levels: Levels
+
+    def parts(self, payload: bytes, n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The checked scales and the packed codes of a payload."""
+        return scales_and_body(payload, n, block_size, -(-n // self.per_byte), self.what)
+
+    def check(self, payload: bytes, n: int, block_size: int) -> None:
+        self.parts(payload, n, block_size)
+
+    def _levels(
+        self, body: np.ndarray, start: int, stop: int, scratch: _Scratch, target: np.ndarray
+    ) -> np.ndarray:
+        """The float32 levels of values [start, stop), in `target`: integer levels are cast
+        on their own first (exactly), which numpy does faster than inside the scaling."""
+        levels = self.levels(body, start, stop, scratch, target)
+        values = target[: stop - start]
+        if levels.dtype != np.float32:
+            np.copyto(values, levels, casting="unsafe")
+        return values
+
+    def _chunk(self, block_size: int) -> int:
+        """Values a chunk: whole blocks and whole bytes."""
+        unit = block_size * self.per_byte
+        return max(1, DECODE_CHUNK // unit) * unit
+
+    def decode(self, payload: bytes, n: int, block_size: int) -> np.ndarray:
+        scales, body = self.parts(payload, n, block_size)
+        step = self._chunk(block_size)
+        scratch = _Scratch(min(step, n + self.per_byte))
+        out = np.empty(body.size * self.per_byte, np.float32)  # table lookups write whole bytes
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            values = self._levels(body, start, stop, scratch, out[start:])
+            scale_blocks(values, scales[start // block_size :], block_size, values)
+        return out[:n]
+
+    def decode_into(
+        self,
+        acc: np.ndarray,
+        weight: float,
+        offset: int,
+        count: int,
+        payload: bytes,
+        block_size: int,
+        limit: float = FLOAT32_MAX,
+    ) -> float:
+        """acc[offset : offset + count] += float32(weight) * decoded, bit for bit what
+        decoding the payload, multiplying by the weight and adding do in float32. Returns
+        the decoded values' sum of squares. Raises CodecError, with `acc` untouched, for a
+        payload `check` refuses or one whose values times the weight could pass `limit`."""
+        scales, body = self.parts(payload, count, block_size)
+        whole = target(acc, offset, count, self.what)
+        largest = float(scales.max()) * self.largest_level if scales.size else 0.0
+        check_limit(largest, weight, limit, self.what)
+        w = np.float32(weight)
+        step = self._chunk(block_size)
+        scratch = _Scratch(min(step, count + self.per_byte))
+        squares = 0.0
+        for start in range(0, count, step):
+            stop = min(start + step, count)
+            values = self._levels(body, start, stop, scratch, scratch.f32)
+            scale_blocks(values, scales[start // block_size :], block_size, values)
+            squares += float(np.dot(values, values))
+            if w != 1:  # times one is exact: skipped
+                np.multiply(values, w, out=values)
+            part = whole[start:stop]
+            np.add(part, values, out=part)
+        return squares
