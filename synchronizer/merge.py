@@ -13,6 +13,9 @@ from typing import ClassVar
 
 import numpy as np
 
+from services.blockwise import check_limit
+from services.codec import Codec, Segment
+
 
 def token_weight(c_tokens: int, c_steps: int) -> float:
     """w = c_tokens^2 / c_steps: quantity (tokens) times quality (tokens per step)."""
@@ -74,6 +77,21 @@ class Accumulator:
         part = self.total[offset : offset + values.size]
         np.add(part, values, out=part)
 
+    def add_encoded(
+        self,
+        segment: Segment,
+        codec: Codec,
+        block_size: int,
+        weight: float,
+        norms: Sequence[float],
+        limit: float,
+    ) -> float:
+        """Decode one chunk and add it weighing `weight` (negative: take it out again), in
+        one pass per cache-sized piece; returns its unweighted sum of squares. Raises
+        CodecError, the sum untouched, for a bad payload or values that times the weight
+        could pass `limit`."""
+        return codec.decode_into(self.total, weight, segment, block_size, limit)
+
     def counted(self, weight: float, norms: Sequence[float], sign: int) -> None:
         """A whole update joins (sign 1) or leaves (-1) the round's totals."""
         self.weight += sign * weight
@@ -118,6 +136,27 @@ class RadialAccumulator(Accumulator):
             t += 1
         part = self.total[offset:end]
         np.add(part, values, out=part)
+
+    def add_encoded(
+        self,
+        segment: Segment,
+        codec: Codec,
+        block_size: int,
+        weight: float,
+        norms: Sequence[float],
+        limit: float,
+    ) -> float:
+        """As the mean rule's, decoded whole first: each tensor's part is scaled by its own
+        factor."""
+        values = codec.decode(segment.data, segment.count, block_size)
+        check_limit(float(np.abs(values).max()) if values.size else 0.0, weight, limit, codec.name)
+        with np.errstate(over="ignore"):
+            squares = float(np.dot(values, values))
+        if weight >= 0:
+            self.add(segment.offset, values, weight, norms)
+        else:
+            self.subtract(segment.offset, values, -weight, norms)
+        return squares
 
     def add(self, offset: int, values: np.ndarray, weight: float, norms: Sequence[float]) -> None:
         self._scaled(offset, values, weight, norms)

@@ -303,38 +303,43 @@ class FragmentOwner:
     # job runs, and its record says which that was.
     def _add(self, update: Update, offset: int, count: int, data: bytes) -> None:
         update.hasher.update(data)
-        values = update.codec.decode(data, count, update.block_size)
-        with np.errstate(over="ignore"):
-            squares = float(np.dot(values, values))  # inf on overflow: refused below
-        if not math.isfinite(squares):
-            raise codecs.CodecError("payload decodes to NaN or Inf values (a scale overflows)")
+        target = update.accumulator
+        segment = codecs.Segment(offset, count, data)
+        squares = self._sum(update, target, segment, update.weight)
+        refusal: Exception | None = None
         bound = update.norm_bound
-        if bound is not None and update.squares + squares > bound * bound:
-            raise NormTooLarge(
+        if not math.isfinite(squares):
+            refusal = codecs.CodecError("payload decodes to NaN or Inf values (a scale overflows)")
+        elif bound is not None and update.squares + squares > bound * bound:
+            refusal = NormTooLarge(
                 f"the update's L2 norm is over {bound:.3g} "
                 f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)"
             )
-        if values.size and float(np.abs(values).max()) * update.weight > MAX_WEIGHTED_VALUE:
-            raise NormTooLarge("the update's values times its weight overflow float32")
+        if refusal is not None:  # known only once summed: out again, as if never in
+            self._sum(update, target, segment, -update.weight)
+            raise refusal
         update.squares += squares
-        target = update.accumulator
-        target.add(offset, values, update.weight, update.norms)
         update.chunks.append(Chunk(offset, count, data, target))
+
+    def _sum(self, update: Update, target: Accumulator, segment: codecs.Segment, w: float) -> float:
+        """Decode a chunk and add it into `target` weighing `w` (negative: out again)."""
+        return target.add_encoded(
+            segment, update.codec, update.block_size, w, update.norms, MAX_WEIGHTED_VALUE
+        )
 
     def _take_out(self, update: Update) -> None:
         for chunk in update.chunks:
-            values = update.codec.decode(chunk.data, chunk.count, update.block_size)
-            chunk.accumulator.subtract(chunk.offset, values, update.weight, update.norms)
+            segment = codecs.Segment(chunk.offset, chunk.count, chunk.data)
+            self._sum(update, chunk.accumulator, segment, -update.weight)
         update.chunks.clear()
 
     def _move(self, update: Update, sealed: Accumulator) -> None:
         """Chunks summed into a round being merged go to the update's round now."""
         for chunk in update.chunks:
             if chunk.accumulator is sealed:
-                values = update.codec.decode(chunk.data, chunk.count, update.block_size)
-                sealed.subtract(chunk.offset, values, update.weight, update.norms)
-                values = update.codec.decode(chunk.data, chunk.count, update.block_size)
-                update.accumulator.add(chunk.offset, values, update.weight, update.norms)
+                segment = codecs.Segment(chunk.offset, chunk.count, chunk.data)
+                self._sum(update, sealed, segment, -update.weight)
+                self._sum(update, update.accumulator, segment, update.weight)
                 chunk.accumulator = update.accumulator
 
     async def abandon(self, update: Update) -> None:

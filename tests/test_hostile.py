@@ -448,7 +448,7 @@ def test_an_int8_block_scale_of_3e38_decodes_to_inf_and_is_refused(
     blocks = -(-N0 // 256)
     payload = np.full(blocks, 3e38, "<f4").tobytes() + np.full(N0, 127, np.int8).tobytes()
     chunks = support.chunks_for(0, payload, num_elements=N0, seq=920, learner="l0", **INT8)
-    refused(c, r, chunks, "NaN or Inf")
+    refused(c, r, chunks, "could reach")
     still_merges(c, r)  # the fragment merges again and again
 
 
