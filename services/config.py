@@ -135,6 +135,13 @@ class JobConfig(BaseModel):
         "reached, every learner does its final sync and stops (a learner slowed by a fault "
         "does fewer steps, the others more); 0: each learner runs its own --steps",
     )
+    max_steps_per_s: float = Field(
+        1000.0,
+        gt=0.0,
+        description="the fastest a learner slot's steps count toward --job-steps: a slot's "
+        "count advances at most this many steps per second of its session, whatever it "
+        "claims (set it a few times above your learners' real step rate)",
+    )
     max_update_norm_ratio: float = Field(
         10.0,
         gt=1.0,

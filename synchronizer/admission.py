@@ -193,6 +193,14 @@ def check_heartbeat(hb: session_pb2.Heartbeat) -> None:
         raise _invalid("bad_request", "still_to_send names too many fragments")
 
 
+def counted_steps(counted: float, claimed: int, elapsed_s: float, max_steps_per_s: float) -> float:
+    """How many of a learner slot's steps count toward the job's budget: what it claims, but
+    never more than `max_steps_per_s` per second past what counted before, so no claim can
+    spend the budget at once. A lower claim (a learner restored from an earlier checkpoint)
+    counts at once; a claim that ran ahead catches up at the bound."""
+    return min(float(claimed), counted + max(0.0, elapsed_s) * max_steps_per_s)
+
+
 def check_update_fields(chunk: session_pb2.UpdateChunk) -> None:
     """The first chunk's numbers (its weight, compute time, sizes) before anything is summed."""
     if chunk.kind == session_pb2.UPDATE_KIND_OUTER_GRADIENT and not (

@@ -14,6 +14,7 @@ from synchronizer.admission import (
     check_hello,
     check_payload,
     check_update_fields,
+    counted_steps,
     max_payload_bytes,
 )
 
@@ -79,6 +80,19 @@ def test_heartbeats_out_of_range_are_refused(field: str, value: float) -> None:
 
 def test_a_heartbeat_with_unknown_losses_passes() -> None:
     check_heartbeat(session_pb2.Heartbeat(step=2**53, loss=float("nan"), eval_loss=float("nan")))
+
+
+def test_a_slots_steps_count_as_claimed_up_to_the_rate_bound() -> None:
+    assert counted_steps(100.0, 130, 1.0, 1000.0) == 130  # an honest pace counts as claimed
+    assert counted_steps(100.0, 2**53, 1.0, 50.0) == 150  # a lie counts at the bound
+    assert counted_steps(150.0, 2**53, 0.5, 50.0) == 175  # and keeps to it
+    assert counted_steps(100.0, 40, 1.0, 50.0) == 40  # restored from an earlier checkpoint
+    assert counted_steps(100.0, 2**53, -5.0, 50.0) == 100  # a clock going back adds nothing
+    # A slow bound still advances: fractions of a step carry over between heartbeats.
+    steps = 0.0
+    for _ in range(4):
+        steps = counted_steps(steps, 10, 1.0, 0.5)
+    assert steps == 2.0
 
 
 @pytest.mark.parametrize(

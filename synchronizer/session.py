@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import math
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layo
 from services.tape import Tape
 from services.wire import segments_header
 from synchronizer import admission, auth
-from synchronizer.admission import Rejection, check_heartbeat, check_hello
+from synchronizer.admission import Rejection, check_heartbeat, check_hello, counted_steps
 from synchronizer.ownership import Ownership
 from synchronizer.store import ControlStore
 from synchronizer.tensors import TensorStore
@@ -91,6 +92,10 @@ class Connection:
     )
     sent_versions: dict[int, int] = field(default_factory=dict)
     notified: dict[int, int] = field(default_factory=dict)  # commits told of, per fragment
+    # The slot's steps toward the job's budget, and when they were last counted (monotonic).
+    counted_steps: float = 0.0
+    counted_at: float = field(default_factory=time.monotonic)
+    rate_bound_told: bool = False  # the log said once that this session's claims ran ahead
 
     @property
     def prefix(self) -> str:
@@ -272,6 +277,7 @@ class Sessions:
             hello.incarnation,
             sent_versions=dict(enumerate(versions)),
             notified=dict(enumerate(versions)),
+            counted_steps=float(joined.counted_steps),
         )
         welcome = session_pb2.Welcome(
             config=session_pb2.JobConfig(
@@ -330,10 +336,25 @@ class Sessions:
         except Rejection as rejection:
             conn.outbox.put_nowait(SessionClosed(rejection.code, rejection.message))
             return False
+        now = time.monotonic()
+        rate = self.settings.max_steps_per_s
+        counted = counted_steps(conn.counted_steps, hb.step, now - conn.counted_at, rate)
+        conn.counted_steps, conn.counted_at = counted, now
+        if counted < hb.step and not conn.rate_bound_told:
+            conn.rate_bound_told = True
+            log.warning(
+                "steps_counted_at_bound",
+                learner=conn.learner,
+                claimed=hb.step,
+                counted=int(counted),
+                max_steps_per_s=rate,
+                hint="raise --max-steps-per-s if this learner really steps this fast",
+            )
         steps_done = await self.store.heartbeat(
             conn.learner,
             conn.incarnation,
             self.settings.lease_ttl_s,
+            int(counted),
             step=float(hb.step),
             ema=hb.step_time_ema_s,
             tokens_s=hb.tokens_per_s,

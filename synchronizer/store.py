@@ -60,6 +60,7 @@ class Hello:
     status: str  # ok, spec_mismatch (the learner's model differs), busy (slot has a session)
     previous: str  # the incarnation this one replaces ("" if none)
     initializer: bool  # the job has no parameters yet and this learner is to send them
+    counted_steps: int = 0  # the slot's steps toward the job's budget, as counted now
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ class ControlStore:
         k = self.keys
         reply = await self._run(
             "hello",
-            [k.spec, k.learners, k.learner(learner), k.ema, k.init_claim],
+            [k.spec, k.learners, k.learner(learner), k.ema, k.init_claim, k.slot_steps],
             [
                 spec_json,
                 learner,
@@ -213,18 +214,20 @@ class ControlStore:
         )
         if _s(reply[0]) != "ok":
             return Hello(_s(reply[0]), "", False)
-        return Hello("ok", _s(reply[1]), bool(int(reply[2])))
+        return Hello("ok", _s(reply[1]), bool(int(reply[2])), int(reply[3]))
 
     async def heartbeat(
         self,
         learner: str,
         incarnation: str,
         ttl_s: float,
+        counted: int,
         still_to_send: list[int] | None = None,
         **fields: float,
     ) -> int | None:
         """Renew the lease; return the job's steps over all slots, None if not renewed.
-        `still_to_send`: finishing, with these fragments' updates still to come (None: not)."""
+        `still_to_send`: finishing, with these fragments' updates still to come (None: not);
+        `counted`: the slot's steps toward the budget (its claimed `step`, bounded)."""
         args: list[Any] = [learner, incarnation, int(ttl_s * 1000)]
         args += [repr(float(fields[k])) for k in ("step", "ema", "tokens_s", "loss", "eval_loss")]
         args.append(int(fields.get("done", 0)))
@@ -232,6 +235,7 @@ class ControlStore:
         args.append(
             "".join(f",{p}" for p in still_to_send) + "," if still_to_send is not None else ""
         )
+        args.append(counted)
         k = self.keys
         keys = [k.learners, k.learner(learner), k.ema, k.slot_steps, k.finished, k.finishing]
         total = int(await self._run("heartbeat", keys, args))

@@ -31,6 +31,7 @@ from learner.client import SessionError, SynchronizerClient
 from services import codec as codecs
 from services import tls
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
+from synchronizer import inspect
 from synchronizer.admission import MAX_LEAVES
 from tests import support
 from tests.conftest import SpawnSynchronizer
@@ -521,6 +522,78 @@ def test_a_heartbeat_out_of_range_closes_only_its_own_session(
     c.heartbeat(step=3, step_time_ema_s=0.1, tokens_per_s=10.0, loss=1.0, eval_loss=float("nan"))
     still_merges(c, r)
     c.check()
+
+
+def session_statuses(
+    address: str, first: session_pb2.LearnerMessage, beat: session_pb2.Heartbeat, slot: str
+) -> list[session_pb2.JobStatus]:
+    """Say hello with `first`, send `beat` five times a second, and return the job statuses
+    the synchronizer answers the first ten with."""
+    done = threading.Event()
+
+    def requests() -> Iterator[session_pb2.LearnerMessage]:
+        yield first
+        for _ in range(10):
+            yield session_pb2.LearnerMessage(heartbeat=beat)
+            time.sleep(0.2)
+        done.wait(20)
+
+    call = session_call(address)(requests(), metadata=bearer(slot), timeout=20)
+    statuses = []
+    try:
+        for message in call:
+            if message.HasField("status"):
+                statuses.append(message.status)
+            if len(statuses) == 10:
+                break
+    finally:
+        call.cancel()
+        done.set()
+    return statuses
+
+
+def slot_steps(r: redis.Redis) -> dict[str, int]:
+    return inspect.slot_steps(r, "default")
+
+
+def test_a_step_count_of_2_to_the_53_cannot_spend_the_jobs_budget(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer(
+        "--fragments",
+        str(P),
+        "--grace-seconds",
+        "0",
+        "--learner-tokens-file",
+        str(tokens_file(tmp_path)),
+        "--job-steps",
+        "1000",
+        "--max-steps-per-s",
+        "20",
+    )
+    c = support.client([sync.address], "l0", token=TOKENS["l0"])
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c, P)
+        c.heartbeat(step=3, step_time_ema_s=0.1, tokens_per_s=10.0, loss=1.0, eval_loss=0.0)
+        wait_until(lambda: slot_steps(r).get("l0") == 3, what="l0's honest steps counted")
+        lie = session_pb2.Heartbeat(step=2**53, step_time_ema_s=0.1)
+        bound = 1.0  # steps evil may have counted so far: 20 a second of its sessions
+        for _ in range(2):  # a second session goes on from the count, not from its claim
+            started = time.monotonic()
+            statuses = session_statuses(sync.address, hello("evil", step=2**53), lie, "evil")
+            bound += 20 * (time.monotonic() - started)
+            assert len(statuses) == 10
+            assert not any(s.finish for s in statuses)
+            assert all(s.job_steps == 1000 and s.steps_done <= 3 + bound for s in statuses)
+            assert 0 < slot_steps(r)["evil"] <= bound
+            wait_until(lambda: r.zscore(support.KEYS.learners, "evil") is None, what="evil gone")
+        still_merges(c, r)
+        c.heartbeat(step=4, step_time_ema_s=0.1, tokens_per_s=10.0, loss=1.0, eval_loss=0.0)
+        wait_until(lambda: c.job_status is not None and c.job_status.steps_done >= 4)
+        assert not c.job_finished
+    finally:
+        c.close()
 
 
 # --- bounded work -------------------------------------------------------------------------
