@@ -146,15 +146,15 @@ class JobConfig(BaseModel):
         10.0,
         gt=1.0,
         description="an update whose L2 norm exceeds this many times the median norm of the "
-        "fragment's last 16 accepted updates is refused (before any history: this many times "
-        "the fragment's own norm)",
+        "other learners' last updates of its fragment is refused (with none yet: this many "
+        "times the fragment's own norm)",
     )
     max_weight_share: float = Field(
         2.0,
         ge=1.0,
         description="an update weighs at most this many times the median weight of the "
-        "fragment's last 16 accepted updates (known before it is summed), so no one "
-        "learner's token count buys the merge",
+        "other learners' last updates of its fragment (with none yet: of the other updates "
+        "in its round), so no one learner's token count buys the merge",
     )
 
 

@@ -35,6 +35,7 @@ from synchronizer.merge import (
     MERGE_RULES,
     Accumulator,
     OuterOptimizer,
+    capped_weights,
     partial_round_scale,
     staleness_weight,
     token_weight,
@@ -53,6 +54,9 @@ T_SYNC_DECAY = 0.8
 # Outer steps of every owned fragment share one pool, a thread per core.
 _STEP_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="atoll-step")
 MAX_WEIGHTED_VALUE = 1e37  # weight x value beyond this would overflow the float32 sum
+# With no other learner's update to measure an update against, a fragment of all zeros (or
+# nearly: biases) is measured as if its values had this root mean square.
+REFERENCE_RMS = 0.1
 
 
 class RoundBusy(ValueError):
@@ -69,12 +73,13 @@ class OwnerLost(RuntimeError):
 
 @dataclass(eq=False)
 class Chunk:
-    """A chunk summed into a round's accumulator, kept until its update is received."""
+    """A chunk summed into a round's accumulator (None: not summed yet, its update's weight
+    is provisional), kept until its update is received (provisional: until its round merges)."""
 
     offset: int
     count: int
     data: bytes
-    accumulator: Accumulator
+    accumulator: Accumulator | None
 
 
 @dataclass(eq=False)
@@ -95,8 +100,11 @@ class Update:
     accumulator: Accumulator
     chunks: list[Chunk] = field(default_factory=list)
     hasher: Any = field(default_factory=xxhash.xxh3_64)
-    norm_bound: float | None = None  # None: not bounded (no reference yet)
+    norm_bound: float = math.inf
     squares: float = 0.0  # sum of squares of the decoded values so far
+    # No other learner's update to cap the weight against when it began: it is summed only
+    # once its round is sealed, capped against the round's other members then.
+    provisional: bool = False
 
     @property
     def norm(self) -> float:
@@ -228,6 +236,9 @@ class FragmentOwner:
             if weight > cap:
                 log.info("weight_capped", fragment=self.fragment, learner=learner, weight=weight)
                 weight = cap
+        # Else (the fragment's first updates, or the first since this owner took it over)
+        # its weight is provisional: capped against the other members of its round once the
+        # round is sealed (`_sum_provisional`), and summed only then.
         if self.version is not None and self.config.staleness_decay != 1.0:
             weight *= staleness_weight(self.version - base_version, self.config.staleness_decay)
         bound = self.norm_bound(learner)
@@ -251,25 +262,24 @@ class FragmentOwner:
             block_size,
             self.current,
             norm_bound=bound,
+            provisional=not others,
         )
         self.in_flight.add(update)
         return update
 
-    def norm_bound(self, learner: str) -> float | None:
+    def norm_bound(self, learner: str) -> float:
         """The largest L2 norm an update may have: --max-update-norm-ratio times the median
-        norm of the other learners' last updates (a learner's own never moves its bar); with
-        no other learner yet, times its own last one, or the fragment's own norm (an outer
-        gradient is a fraction of the parameters it moves)."""
+        norm of the other learners' last updates (a learner's own never moves its bar). With
+        no other learner's update yet, times the fragment's own norm (an outer gradient is a
+        fraction of the parameters it moves), as if its values had an RMS of at least
+        REFERENCE_RMS (a fragment of zeros); never the learner's own last norm, which would
+        let a slot alone on a fragment raise its own bar tenfold with every update."""
         ratio = self.config.max_update_norm_ratio
         floor = max(1e-3 * self.theta_norm, 1e-12)  # tiny updates cannot shut the others out
         others = [n for who, (_, n) in self.latest.items() if who != learner]
         if others:
             return ratio * max(statistics.median(others), floor)
-        if learner in self.latest:
-            return ratio * max(self.latest[learner][1], floor)
-        if self.theta_norm > 0:
-            return ratio * self.theta_norm
-        return None
+        return ratio * max(self.theta_norm, REFERENCE_RMS * math.sqrt(self.size))
 
     def check_norms(self, update: Update) -> None:
         """The per-tensor norms an update claimed (radial merging divides by them) must be
@@ -301,7 +311,7 @@ class FragmentOwner:
         if not math.isfinite(squares):
             raise codecs.CodecError("payload decodes to NaN or Inf values (a scale overflows)")
         bound = update.norm_bound
-        if bound is not None and update.squares + squares > bound * bound:
+        if update.squares + squares > bound * bound:
             raise NormTooLarge(
                 f"the update's L2 norm is over {bound:.3g} "
                 f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)"
@@ -309,15 +319,37 @@ class FragmentOwner:
         if values.size and float(np.abs(values).max()) * update.weight > MAX_WEIGHTED_VALUE:
             raise NormTooLarge("the update's values times its weight overflow float32")
         update.squares += squares
+        if update.provisional:  # summed once its weight is known (`_sum_provisional`)
+            update.chunks.append(Chunk(offset, count, data, None))
+            return
         target = update.accumulator
         target.add(offset, values, update.weight, update.norms)
         update.chunks.append(Chunk(offset, count, data, target))
 
     def _take_out(self, update: Update) -> None:
         for chunk in update.chunks:
-            values = update.codec.decode(chunk.data, chunk.count, update.block_size)
-            chunk.accumulator.subtract(chunk.offset, values, update.weight, update.norms)
+            if chunk.accumulator is not None:
+                values = update.codec.decode(chunk.data, chunk.count, update.block_size)
+                chunk.accumulator.subtract(chunk.offset, values, update.weight, update.norms)
         update.chunks.clear()
+
+    def _sum_provisional(self, members: list[Update], sealed: Accumulator) -> None:
+        """Cap the provisional weights of a sealed round's members against the round's other
+        members, and sum those members in."""
+        weights = capped_weights(
+            [u.weight for u in members],
+            [u.provisional for u in members],
+            self.config.max_weight_share,
+        )
+        for update, weight in zip(members, weights, strict=True):
+            if not update.provisional:
+                continue
+            update.weight = weight
+            for chunk in update.chunks:
+                values = update.codec.decode(chunk.data, chunk.count, update.block_size)
+                sealed.add(chunk.offset, values, weight, update.norms)
+            sealed.counted(weight, update.norms, 1)
+            update.chunks.clear()
 
     def _move(self, update: Update, sealed: Accumulator) -> None:
         """Chunks summed into a round being merged go to the update's round now."""
@@ -370,8 +402,9 @@ class FragmentOwner:
                 self.lost = True
             return status, version
         self.in_flight.discard(update)
-        self.worker.submit(update.chunks.clear)  # received: nothing of it moves again
-        update.accumulator.counted(update.weight, update.norms, 1)
+        if not update.provisional:  # received: nothing of it moves again
+            self.worker.submit(update.chunks.clear)
+            update.accumulator.counted(update.weight, update.norms, 1)
         self.latest[update.learner] = (update.weight, update.norm)  # weight as capped
         self.members.append(update)  # of the open round: one sealed meanwhile moved it
         self.last_received = time.monotonic()
@@ -483,6 +516,16 @@ class FragmentOwner:
         started = time.monotonic()
         learners = {u.learner for u in updates}
         scale = partial_round_scale(len(learners), live_learners) if live_learners else 1.0
+        claimed = {u: u.weight for u in updates if u.provisional}
+        if claimed:
+            await self._on_worker(self._sum_provisional, updates, sealed)
+            for u, weight in claimed.items():
+                if u.weight < weight:
+                    log.info(
+                        "weight_capped", fragment=self.fragment, learner=u.learner, weight=weight
+                    )
+                if self.latest.get(u.learner) == (weight, u.norm):  # not a newer one's since
+                    self.latest[u.learner] = (u.weight, u.norm)
         delta = await self._on_worker(self._step, sealed, scale)
         version = self.version + 1
         job, p, e = self.store.job, self.fragment, self.epoch

@@ -412,6 +412,106 @@ def test_a_huge_token_count_does_not_buy_the_merge(
         evil.close()
 
 
+def update_of(
+    c: SynchronizerClient, fragment: int, values: np.ndarray, seq: int, **kw: Any
+) -> tuple[list[session_pb2.UpdateChunk], np.ndarray]:
+    """An int8 update of `values` from `c`'s slot and incarnation; and what it decodes to."""
+    segments, decoded = codecs.encode_segments(codecs.by_name("int8"), values, 256, 2048)
+    chunks = support.chunks_for(
+        fragment,
+        segments,
+        num_elements=values.size,
+        seq=seq,
+        learner=c.learner_id,
+        incarnation=c.incarnation,
+        **INT8,
+        **kw,
+    )
+    return chunks, decoded
+
+
+def test_the_first_update_of_a_fragment_does_not_buy_its_first_merge(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    # Quorum 2: evil's first update waits in the fragment's first round, claiming 10^15
+    # tokens (10^29 as a weight), with nothing yet to measure it against; l0's honest one
+    # (10^5) joins it. evil's weight is capped against l0's once the round is sealed.
+    c0, evil = l0_and_evil(tmp_path, spawn_synchronizer)
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c0, P)
+        theta = fetch_values(c0, 0)
+        rng = np.random.default_rng(7)
+        bad, bad_decoded = update_of(
+            evil, 0, rng.normal(scale=0.01, size=N0).astype(np.float32), 1, c_tokens=10**15
+        )
+        assert evil.ingest_raw(bad).status == session_pb2.ACK_STATUS_RECEIVED
+        good, good_decoded = update_of(c0, 0, rng.normal(scale=0.01, size=N0).astype(np.float32), 1)
+        assert c0.ingest_raw(good).status == session_pb2.ACK_STATUS_RECEIVED
+        wait_until(lambda: support.version(r, 0) == 1, what="the fragment's first round")
+        entry = support.commit_log(r, 0)[0]
+        weights = dict(zip(entry["learners"], entry["weights"], strict=True))  # type: ignore[call-overload]
+        assert weights == {"evil": 2e5, "l0": 1e5}  # 2 x l0's, not 10^29
+        # The value moved by the mean at those weights (up to the int8 downlink's rounding,
+        # which the owner's value takes too), not by evil's update.
+        move = -0.7 * (2e5 * bad_decoded + 1e5 * good_decoded) / 3e5
+        rounding = np.abs(move).max() / 127
+        assert np.abs(fetch_values(c0, 0) - (theta + move)).max() <= rounding
+        assert np.abs(-0.7 * bad_decoded - move).max() > 10 * rounding
+    finally:
+        c0.close()
+        evil.close()
+
+
+def test_the_first_updates_of_a_fragment_are_bounded_by_its_own_norm(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer(
+        "--fragments",
+        str(P),
+        "--grace-seconds",
+        "0",
+        "--learner-tokens-file",
+        str(tokens_file(tmp_path)),
+    )
+    c0 = support.client([sync.address], "l0", token=TOKENS["l0"])
+    evil = support.client([sync.address], "evil", token=TOKENS["evil"])
+    r = redis.Redis(port=redis_server.port)
+    try:
+        # Fragment 0 starts at zero (biases): with nothing to compare an update against, it
+        # is measured as values of RMS 0.1, so an update of RMS 2 is refused.
+        lay = support.layout(P)
+        c0.wait_ack(c0.send_initial(0, np.zeros(N0, np.float32)), 30)
+        c0.wait_ack(c0.send_initial(1, lay.gather(1, support.initial_params())), 30)
+        before = snapshot(r)
+        chunks, _ = update_of(evil, 0, np.full(N0, 2.0, np.float32), 1)
+        ack = evil.ingest_raw(chunks)
+        assert ack.status == session_pb2.ACK_STATUS_REJECTED
+        assert "L2 norm" in ack.reason, ack.reason
+        assert snapshot(r) == before
+        # Alone on fragment 1, evil's updates are measured against the fragment's own norm
+        # every time, never against its own last one (which would let it raise its bar
+        # tenfold with every update).
+        n1 = lay.fragments[1].num_elements
+        theta = float(np.linalg.norm(fetch_values(c0, 1)))
+        unit = np.ones(n1, np.float32) / np.sqrt(n1)
+        chunks, _ = update_of(evil, 1, 5 * theta * unit, 2)
+        assert evil.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
+        wait_until(lambda: support.version(r, 1) == 1, what="evil's first round")
+        before = snapshot(r)
+        chunks, _ = update_of(evil, 1, 20 * theta * unit, 3, base_version=1)
+        ack = evil.ingest_raw(chunks)
+        assert ack.status == session_pb2.ACK_STATUS_REJECTED
+        assert "L2 norm" in ack.reason, ack.reason
+        assert snapshot(r) == before
+        # The learners' real first updates pass.
+        still_merges(c0, r, 0)
+        still_merges(c0, r, 1)
+    finally:
+        c0.close()
+        evil.close()
+
+
 def fetch_values(c: SynchronizerClient, fragment: int) -> np.ndarray:
     return c.fetch_state([fragment])[0].values
 
