@@ -64,7 +64,12 @@ class RoundBusy(ValueError):
 
 
 class NormTooLarge(ValueError):
-    """An update's norm is out of bounds against the fragment's recent updates."""
+    """An update's norm is out of bounds against the fragment's recent updates; `norm`: the
+    norm its values reached before they were refused (None: not measured)."""
+
+    def __init__(self, message: str, norm: float | None = None) -> None:
+        super().__init__(message)
+        self.norm = norm
 
 
 class OwnerLost(RuntimeError):
@@ -150,8 +155,13 @@ class FragmentOwner:
         self.state: list[np.ndarray] = []
         self.residual = np.zeros(0, np.float32)
         self.theta_norm = 0.0
-        # Each learner's last accepted update on this fragment: (weight as capped, L2 norm).
-        self.latest: dict[str, tuple[float, float]] = {}
+        # Each learner's last accepted update's weight (as capped) on this fragment, and the
+        # L2 norm of its last update accepted or refused for its norm (as far as it was read,
+        # or as it claimed): the norm bars follow what the other learners send, so learners
+        # whose updates outgrow the bar together (as in warm-up, when a fragment's first
+        # updates are tiny) are not shut out for good.
+        self.weights: dict[str, float] = {}
+        self.norms: dict[str, float] = {}
         self.current = self.rule.new(size, self.segments)
         self.members: list[Update] = []  # received into the open round
         self.in_flight: set[Update] = set()  # summing, not received yet
@@ -226,7 +236,7 @@ class FragmentOwner:
                 "round; resend once it merges"
             )
         weight = token_weight(c_tokens, c_steps)
-        others = [w for who, (w, _) in self.latest.items() if who != learner]
+        others = [w for who, w in self.weights.items() if who != learner]
         if others:
             # No update weighs more than --max-weight-share times the median weight of the
             # other learners' last updates (its fair share): whatever tokens it claims, it
@@ -243,7 +253,11 @@ class FragmentOwner:
             weight *= staleness_weight(self.version - base_version, self.config.staleness_decay)
         bound = self.norm_bound(learner)
         claimed = math.sqrt(sum(float(n) ** 2 for n in norms))
-        if bound is not None and claimed > bound:
+        if claimed > bound:
+            # Refused, but what it says it weighs moves the others' bars (only ever up: it
+            # is over the bar): learners whose updates grow past the bar together, as in
+            # warm-up, let each other in again.
+            self.norms[learner] = claimed
             raise NormTooLarge(
                 f"the update's tensor norms total {claimed:.3g}, over the bound {bound:.3g} "
                 f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)"
@@ -276,7 +290,7 @@ class FragmentOwner:
         let a slot alone on a fragment raise its own bar tenfold with every update."""
         ratio = self.config.max_update_norm_ratio
         floor = max(1e-3 * self.theta_norm, 1e-12)  # tiny updates cannot shut the others out
-        others = [n for who, (_, n) in self.latest.items() if who != learner]
+        others = [n for who, n in self.norms.items() if who != learner]
         if others:
             return ratio * max(statistics.median(others), floor)
         return ratio * max(self.theta_norm, REFERENCE_RMS * math.sqrt(self.size))
@@ -298,7 +312,12 @@ class FragmentOwner:
     async def add(self, update: Update, offset: int, count: int, data: bytes) -> None:
         """Decode one chunk and sum it into the update's round (raises CodecError)."""
         update.hasher.update(data)
-        await self._on_worker(self._add, update, offset, count, data)
+        try:
+            await self._on_worker(self._add, update, offset, count, data)
+        except NormTooLarge as err:
+            if err.norm is not None:  # at least this large: the others' bars follow it
+                self.norms[update.learner] = err.norm
+            raise
 
     # The chunk records and the sums are touched on the worker thread only, one job at a
     # time; which round an update belongs to (`update.accumulator`, the members) changes on
@@ -314,7 +333,8 @@ class FragmentOwner:
         if update.squares + squares > bound * bound:
             raise NormTooLarge(
                 f"the update's L2 norm is over {bound:.3g} "
-                f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)"
+                f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)",
+                math.sqrt(update.squares + squares),
             )
         if values.size and float(np.abs(values).max()) * update.weight > MAX_WEIGHTED_VALUE:
             raise NormTooLarge("the update's values times its weight overflow float32")
@@ -405,7 +425,8 @@ class FragmentOwner:
         if not update.provisional:  # received: nothing of it moves again
             self.worker.submit(update.chunks.clear)
             update.accumulator.counted(update.weight, update.norms, 1)
-        self.latest[update.learner] = (update.weight, update.norm)  # weight as capped
+        self.weights[update.learner] = update.weight  # as capped (provisional: as claimed)
+        self.norms[update.learner] = update.norm
         self.members.append(update)  # of the open round: one sealed meanwhile moved it
         self.last_received = time.monotonic()
         tm.UPDATES_ACCEPTED.inc()
@@ -524,8 +545,8 @@ class FragmentOwner:
                     log.info(
                         "weight_capped", fragment=self.fragment, learner=u.learner, weight=weight
                     )
-                if self.latest.get(u.learner) == (weight, u.norm):  # not a newer one's since
-                    self.latest[u.learner] = (u.weight, u.norm)
+                if self.weights.get(u.learner) == weight:  # not a newer one's since
+                    self.weights[u.learner] = u.weight
         delta = await self._on_worker(self._step, sealed, scale)
         version = self.version + 1
         job, p, e = self.store.job, self.fragment, self.epoch

@@ -512,6 +512,52 @@ def test_the_first_updates_of_a_fragment_are_bounded_by_its_own_norm(
         evil.close()
 
 
+def test_updates_that_outgrow_the_bar_together_are_not_shut_out_for_good(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    # As in warm-up: the first updates of a fragment are tiny, the next 30 times larger.
+    # Measured against each other's tiny last updates, both learners' were refused for
+    # ever; the bar now follows what the other learner sends, refused or not.
+    sync = spawn_synchronizer(
+        "--fragments",
+        str(P),
+        "--grace-seconds",
+        "0",
+        "--learner-tokens-file",
+        str(tokens_file(tmp_path)),
+    )
+    c0 = support.client([sync.address], "l0", token=TOKENS["l0"])
+    c1 = support.client([sync.address], "l1", token=TOKENS["l1"])
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c0, P)
+        rng = np.random.default_rng(3)
+
+        def send(c: SynchronizerClient, scale: float, seq: int) -> session_pb2.Ack:
+            values = rng.normal(scale=scale, size=N0).astype(np.float32)
+            v = support.version(r, 0)
+            chunks, _ = update_of(c, 0, values, seq, base_version=v)
+            chunks[0].tensor_norms.append(float(np.linalg.norm(values)))  # as learners do
+            ack = c.ingest_raw(chunks)
+            if ack.status == session_pb2.ACK_STATUS_RECEIVED:
+                wait_until(lambda: support.version(r, 0) > v, what="the round")
+            return ack
+
+        assert send(c0, 1e-3, 1).status == session_pb2.ACK_STATUS_RECEIVED
+        assert send(c1, 1e-3, 1).status == session_pb2.ACK_STATUS_RECEIVED
+        refused = send(c0, 3e-2, 2)  # over 10 x l1's last: refused
+        assert refused.status == session_pb2.ACK_STATUS_REJECTED
+        assert "norms total" in refused.reason, refused.reason
+        for seq in (2, 3):  # l1's bar follows l0's refused one; then l0's follows l1's
+            assert send(c1, 3e-2, seq).status == session_pb2.ACK_STATUS_RECEIVED
+            assert send(c0, 3e-2, seq + 1).status == session_pb2.ACK_STATUS_RECEIVED
+        # evil-sized ones are still refused: 10 x the others' last is the bar.
+        assert send(c1, 1.0, 4).status == session_pb2.ACK_STATUS_REJECTED
+    finally:
+        c0.close()
+        c1.close()
+
+
 def fetch_values(c: SynchronizerClient, fragment: int) -> np.ndarray:
     return c.fetch_state([fragment])[0].values
 
