@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -769,12 +770,77 @@ def test_a_hello_of_400k_leaves_is_refused_at_once(
     assert message.ByteSize() > 5_000_000
     assert len(leaves) > MAX_LEAVES
     started = time.monotonic()
-    assert session_refusal(sync.address, [message], bearer("l1")) == (
-        grpc.StatusCode.INVALID_ARGUMENT
-    )
+    with pytest.raises(grpc.RpcError) as refused:
+        list(session_call(sync.address)(iter([message]), metadata=bearer("l1"), timeout=20))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 100000: group small tensors into fewer" in (refused.value.details() or "")
     assert time.monotonic() - started < 5
     assert snapshot(r) == before
     still_merges(c, r)
+
+
+def test_concurrent_hellos_of_a_large_model_are_known_by_their_digest(
+    spawn_synchronizer: SpawnSynchronizer,
+) -> None:
+    # A model of 40,000 leaves. Its first hello is read leaf by leaf; then the same spec is
+    # known by the digest of its bytes: eight learners joining at once are answered at once,
+    # and the event loop keeps answering meanwhile. Specs of another size are refused
+    # without being read.
+    sync = spawn_synchronizer("--fragments", str(P), "--token", "shared-secret")
+    shared = (("authorization", "Bearer shared-secret"),)
+    leaves = [fragment_pb2.TensorSpec(name=f"layer/{i:06d}/w", shape=[2]) for i in range(40_000)]
+
+    def join(slot: str, params: list[fragment_pb2.TensorSpec]) -> float:
+        """Seconds to the welcome (raises the refusal)."""
+        started = time.monotonic()
+        done = threading.Event()
+
+        def requests() -> Iterator[session_pb2.LearnerMessage]:
+            yield hello(slot, params=params)
+            done.wait(60)
+
+        call = session_call(sync.address)(requests(), metadata=shared, timeout=60)
+        try:
+            assert next(iter(call)).HasField("welcome")
+            return time.monotonic() - started
+        finally:
+            done.set()
+            call.cancel()
+
+    join("first", leaves)
+    with grpc.insecure_channel(sync.address) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        latencies: list[float] = []
+        stop = threading.Event()
+
+        def probe() -> None:
+            while not stop.is_set():
+                started = time.monotonic()
+                check(health_pb2.HealthCheckRequest(), timeout=30)
+                latencies.append(time.monotonic() - started)
+                time.sleep(0.02)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                waits = list(pool.map(lambda i: join(f"x{i}", leaves), range(8)))
+                other = [*leaves, fragment_pb2.TensorSpec(name="extra", shape=[1])]
+                codes = list(pool.map(lambda i: refusal_of(lambda: join(f"y{i}", other)), range(8)))
+        finally:
+            stop.set()
+            prober.join()
+    assert max(waits) < 3.0, waits  # each once took 12 to 16 s on a 2-core machine
+    assert codes == [grpc.StatusCode.FAILED_PRECONDITION] * 8
+    assert max(latencies) < 1.0, max(latencies)  # each hello once took seconds of the loop
+
+
+def refusal_of(action: Any) -> grpc.StatusCode:
+    try:
+        action()
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
 
 
 def test_a_state_fetch_asking_every_fragment_many_times_is_refused(
