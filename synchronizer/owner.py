@@ -162,6 +162,8 @@ class FragmentOwner:
         # updates are tiny) are not shut out for good.
         self.weights: dict[str, float] = {}
         self.norms: dict[str, float] = {}
+        # Whose idempotency records of this fragment each slot's are, as last recorded here.
+        self.holders: dict[str, str] = {}
         self.current = self.rule.new(size, self.segments)
         self.members: list[Update] = []  # received into the open round
         self.in_flight: set[Update] = set()  # summing, not received yet
@@ -401,18 +403,7 @@ class FragmentOwner:
             "epoch": self.epoch,
         }
         try:
-            status, version = await self.store.receive(
-                self.fragment,
-                self.replica,
-                self.epoch,
-                learner=update.learner,
-                incarnation=update.incarnation,
-                seq=update.seq,
-                checksum=checksum,
-                base_version=update.base_version,
-                max_staleness=self.config.max_staleness,
-                record=record,
-            )
+            status, version = await self._record(update, checksum, record)
         except BaseException:
             await self.abandon(update)
             raise
@@ -432,6 +423,41 @@ class FragmentOwner:
         tm.UPDATES_ACCEPTED.inc()
         self.tape.write("accepted", uid=update.uid, fragment=self.fragment, learner=update.learner)
         self.wake.set()
+        return status, version
+
+    async def _record(
+        self, update: Update, checksum: int, record: dict[str, Any]
+    ) -> tuple[str, int]:
+        """Record the update in Redis (`lua/receive.lua`). The slot's idempotency records of
+        this fragment are one incarnation's: while they are this update's (as far as this
+        owner knows), one call; else only the slot's current incarnation (the last to say
+        hello) may take their place, looked up first."""
+
+        async def receive(generation: int | None) -> tuple[str, int]:
+            return await self.store.receive(
+                self.fragment,
+                self.replica,
+                self.epoch,
+                learner=update.learner,
+                incarnation=update.incarnation,
+                seq=update.seq,
+                checksum=checksum,
+                base_version=update.base_version,
+                max_staleness=self.config.max_staleness,
+                record=record,
+                generation=generation,
+            )
+
+        if self.holders.get(update.learner) == update.incarnation:
+            status, version = await receive(None)
+            if status != "new_incarnation":
+                return status, version
+        current = await self.store.incarnation(update.learner)
+        if current is not None and current[0] != update.incarnation:
+            return "superseded", 0
+        status, version = await receive(current[1] if current is not None else 0)
+        if status in ("received", "again", "duplicate"):
+            self.holders[update.learner] = update.incarnation
         return status, version
 
     # --- the round ----------------------------------------------------------------------

@@ -25,7 +25,7 @@ from services.config import INIT_CLAIM_S
 from synchronizer.keys import JobKeys
 
 SUPPORTED_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel")
-SEEN_TTL_S = 7 * 86_400
+SEEN_TTL_S = 7 * 86_400  # a slot's idempotency records of a fragment it stopped sending to
 LOG_KEEP = 2000  # commit log entries kept per fragment (older ones are in the tape)
 
 
@@ -364,7 +364,11 @@ class ControlStore:
         base_version: int,
         max_staleness: int,
         record: dict[str, Any],
+        generation: int | None = None,
     ) -> tuple[str, int]:
+        """Record a received update (`lua/receive.lua`). `generation`: the slot's count of
+        hellos when `incarnation` was read to be its current one; None: not read yet (the
+        status is `new_incarnation` if the slot's records here are another's)."""
         k = self.keys
         reply = await self._run(
             "receive",
@@ -372,7 +376,7 @@ class ControlStore:
                 k.frag(fragment),
                 k.owner(fragment),
                 k.round(fragment),
-                k.seen(fragment, learner, incarnation),
+                k.seen(fragment, learner),
                 k.fragment_stats(fragment),
             ],
             [
@@ -384,16 +388,29 @@ class ControlStore:
                 base_version,
                 max_staleness,
                 json.dumps(record),
+                incarnation,
+                "" if generation is None else generation,
+                SEEN_TTL_S,
             ],
         )
         return _s(reply[0]), int(reply[1])
 
+    async def incarnation(self, learner: str) -> tuple[str, int] | None:
+        """A slot's current incarnation and generation (its count of hellos); None if it
+        never said hello."""
+        incarnation, joins = await self.redis.hmget(
+            self.keys.learner(learner), "incarnation", "joins"
+        )
+        if incarnation is None:
+            return None
+        return _s(incarnation), int(joins or 0)
+
     async def commit(self, commit: Commit) -> tuple[str, int]:
         k = self.keys
         p = commit.fragment
-        pairs: list[Any] = []
+        triples: list[Any] = []
         for learner, incarnation, seq in commit.merged:
-            pairs += [f"{learner}/{incarnation}/{seq}", seq]
+            triples += [f"{learner}/{incarnation}/{seq}", seq, incarnation]
         reply = await self._run(
             "commit",
             [
@@ -402,7 +419,7 @@ class ControlStore:
                 k.round(p),
                 k.log(p),
                 k.fragment_stats(p),
-                *(k.seen(p, learner, inc) for learner, inc, _ in commit.merged),
+                *(k.seen(p, learner) for learner, _, _ in commit.merged),
             ],
             [
                 commit.replica,
@@ -417,7 +434,7 @@ class ControlStore:
                 commit.stale_folded,
                 LOG_KEEP,
                 len(commit.merged),
-                *pairs,
+                *triples,
             ],
         )
         return _s(reply[0]), int(reply[1])

@@ -7,6 +7,7 @@ the global state (versions, values, pending updates, spec, live learners).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import socket
@@ -72,17 +73,20 @@ def hello(slot: str, **kw: Any) -> session_pb2.LearnerMessage:
     return session_pb2.LearnerMessage(hello=session_pb2.Hello(**fields))
 
 
-def session_call(address: str, credentials: grpc.ChannelCredentials | None = None) -> Any:
+@contextlib.contextmanager
+def session_call(address: str, credentials: grpc.ChannelCredentials | None = None) -> Iterator[Any]:
+    """The Session call on a channel of its own, closed afterwards."""
     channel = (
         grpc.secure_channel(address, credentials)
         if credentials is not None
         else grpc.insecure_channel(address)
     )
-    return channel.stream_stream(
-        SERVICE + "Session",
-        request_serializer=session_pb2.LearnerMessage.SerializeToString,
-        response_deserializer=session_pb2.SynchronizerMessage.FromString,
-    )
+    with channel:
+        yield channel.stream_stream(
+            SERVICE + "Session",
+            request_serializer=session_pb2.LearnerMessage.SerializeToString,
+            response_deserializer=session_pb2.SynchronizerMessage.FromString,
+        )
 
 
 def session_refusal(
@@ -100,14 +104,15 @@ def session_refusal(
         yield from messages
         ended.wait(timeout)  # keep the stream open: the server must end it
 
-    call = session_call(address, credentials)(requests(), metadata=metadata, timeout=timeout)
-    try:
-        for _ in call:
-            pass
-    except grpc.RpcError as err:
-        return err.code()
-    finally:
-        ended.set()
+    with session_call(address, credentials) as session:
+        call = session(requests(), metadata=metadata, timeout=timeout)
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as err:
+            return err.code()
+        finally:
+            ended.set()
     return grpc.StatusCode.OK
 
 
@@ -649,6 +654,59 @@ def test_compute_seconds_nan_is_refused_before_anything_changes(
         refused(c, r, chunks, reason)
 
 
+def test_rotating_incarnations_keep_one_record_set_per_slot_and_fragment(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    # Each new incarnation of a slot once left its idempotency records of every fragment for
+    # 7 days: a client saying hello again and again could fill Redis. Now a slot's newest
+    # incarnation's records replace the older one's, and the older one is refused from then
+    # on, so none of its committed updates can be applied again.
+    sync, c, r = job
+    evil = support.client([sync.address], "evil", token=TOKENS["evil"])
+    values = np.random.default_rng(9).normal(scale=0.01, size=N0).astype(np.float32)
+    first, _ = update_of(evil, 0, values, 900, base_version=support.version(r, 0))
+    assert evil.ingest_raw(first).status == session_pb2.ACK_STATUS_RECEIVED
+    wait_until(lambda: support.version(r, 0) == 1, what="the first incarnation's merge")
+    for i in range(6):
+        evil.close()
+        evil = support.client([sync.address], "evil", token=TOKENS["evil"])
+        for p in range(P):
+            v = support.version(r, p)
+            evil.wait_ack(support.send_delta(evil, p, P, v, seed=i), 15, received=True)
+            wait_until(lambda p=p, v=v: support.version(r, p) == v + 1, what="a merge")
+    try:
+        records = {_s(k) for k in r.scan_iter(match="*:seen:evil*")}
+        assert records == {support.KEYS.seen(p, "evil") for p in range(P)}
+        assert {_s(r.hget(k, "incarnation")) for k in records} == {evil.incarnation}
+        before = snapshot(r)
+        # The first incarnation's committed update, sent again: refused, not applied twice.
+        again = ingest(owner_address(c, 0), first, bearer("evil"))
+        assert again.status == session_pb2.ACK_STATUS_REJECTED
+        assert "not the slot's current one" in again.reason
+        # An incarnation that never said hello cannot take the records' place either.
+        made_up, _ = update_of(evil, 1, values, 901, base_version=support.version(r, 1))
+        for chunk in made_up:
+            chunk.incarnation = "made-up"
+        assert ingest(owner_address(c, 1), made_up, bearer("evil")).status == (
+            session_pb2.ACK_STATUS_REJECTED
+        )
+        assert snapshot(r) == before
+        assert {_s(k) for k in r.scan_iter(match="*:seen:evil*")} == records
+        # The current incarnation's retries are still answered from its records.
+        v = support.version(r, 0)
+        current, _ = update_of(evil, 0, values, 902, base_version=v)
+        assert evil.ingest_raw(current).status == session_pb2.ACK_STATUS_RECEIVED
+        wait_until(lambda: support.version(r, 0) == v + 1, what="its merge")
+        assert evil.ingest_raw(current).status == session_pb2.ACK_STATUS_DUPLICATE
+        still_merges(c, r)
+    finally:
+        evil.close()
+
+
+def _s(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 # --- heartbeats ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("field", "value"),
@@ -685,17 +743,18 @@ def session_statuses(
             time.sleep(0.2)
         done.wait(20)
 
-    call = session_call(address)(requests(), metadata=bearer(slot), timeout=20)
     statuses = []
-    try:
-        for message in call:
-            if message.HasField("status"):
-                statuses.append(message.status)
-            if len(statuses) == 10:
-                break
-    finally:
-        call.cancel()
-        done.set()
+    with session_call(address) as session:
+        call = session(requests(), metadata=bearer(slot), timeout=20)
+        try:
+            for message in call:
+                if message.HasField("status"):
+                    statuses.append(message.status)
+                if len(statuses) == 10:
+                    break
+        finally:
+            call.cancel()
+            done.set()
     return statuses
 
 
@@ -770,8 +829,8 @@ def test_a_hello_of_400k_leaves_is_refused_at_once(
     assert message.ByteSize() > 5_000_000
     assert len(leaves) > MAX_LEAVES
     started = time.monotonic()
-    with pytest.raises(grpc.RpcError) as refused:
-        list(session_call(sync.address)(iter([message]), metadata=bearer("l1"), timeout=20))
+    with session_call(sync.address) as session, pytest.raises(grpc.RpcError) as refused:
+        list(session(iter([message]), metadata=bearer("l1"), timeout=20))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "at most 100000: group small tensors into fewer" in (refused.value.details() or "")
     assert time.monotonic() - started < 5
@@ -799,13 +858,14 @@ def test_concurrent_hellos_of_a_large_model_are_known_by_their_digest(
             yield hello(slot, params=params)
             done.wait(60)
 
-        call = session_call(sync.address)(requests(), metadata=shared, timeout=60)
-        try:
-            assert next(iter(call)).HasField("welcome")
-            return time.monotonic() - started
-        finally:
-            done.set()
-            call.cancel()
+        with session_call(sync.address) as session:
+            call = session(requests(), metadata=shared, timeout=60)
+            try:
+                assert next(iter(call)).HasField("welcome")
+                return time.monotonic() - started
+            finally:
+                done.set()
+                call.cancel()
 
     join("first", leaves)
     with grpc.insecure_channel(sync.address) as channel:
@@ -1116,7 +1176,6 @@ def test_fuzzed_request_messages_never_break_the_service(
         request_serializer=synchronizer_pb2.FetchStateRequest.SerializeToString,
         response_deserializer=fragment_pb2.GlobalFragmentChunk.FromString,
     )
-    session = session_call(sync.address)
     sent = [0]
 
     def answered(action: Any) -> None:
@@ -1153,7 +1212,8 @@ def test_fuzzed_request_messages_never_break_the_service(
             answered(lambda: list(session(iter(messages), metadata=metadata, timeout=30)))
 
     try:
-        one()
+        with session_call(sync.address) as session:
+            one()
     finally:
         channel.close()
     assert sent[0] >= FUZZ_MESSAGES
@@ -1224,14 +1284,18 @@ def test_radial_merging_refuses_norms_that_are_not_the_updates_own(
         sizes = [leaf.size for leaf in layout.leaves]
         starts = np.cumsum([0, *sizes])
         honest = [float(np.linalg.norm(decoded[a:b])) for a, b in itertools.pairwise(starts)]
-        chunks = support.chunks_for(0, segments, num_elements=layout.num_elements, seq=1, **INT8)
+        chunks = support.chunks_for(
+            0, segments, num_elements=layout.num_elements, seq=1, incarnation=c0.incarnation, **INT8
+        )
         before = snapshot(r)
         chunks[0].tensor_norms.extend([1e-40] * len(sizes))  # divides its values up to inf
         lied = c0.ingest_raw(chunks)
         assert lied.status == session_pb2.ACK_STATUS_REJECTED
         assert "not the norms" in lied.reason
         assert snapshot(r) == before
-        chunks = support.chunks_for(0, segments, num_elements=layout.num_elements, seq=2, **INT8)
+        chunks = support.chunks_for(
+            0, segments, num_elements=layout.num_elements, seq=2, incarnation=c0.incarnation, **INT8
+        )
         chunks[0].tensor_norms.extend(honest)
         assert c0.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
         wait_until(lambda: support.version(r, 0) == 1, what="the honest radial round")
