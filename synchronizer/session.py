@@ -279,8 +279,8 @@ class Sessions:
 
     async def _spec(self, hello: session_pb2.Hello) -> tuple[bytes, str]:
         """The hello's spec as canonical JSON, and its digest. A spec whose digest is known
-        is the job's; another is read leaf by leaf, off the event loop and one at a time (a
-        spec of as many leaves as the job's, since any other count cannot be the job's)."""
+        is the job's. Another is refused unread if its leaf count is not the job's, else read
+        leaf by leaf, off the event loop and one spec at a time."""
         digest = await asyncio.to_thread(spec_digest, hello)
         known = self._known_specs.get(digest)
         if known is not None:
