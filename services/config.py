@@ -141,20 +141,27 @@ class JobConfig(BaseModel):
         "reached, every learner does its final sync and stops (a learner slowed by a fault "
         "does fewer steps, the others more); 0: each learner runs its own --steps",
     )
+    max_steps_per_s: float = Field(
+        1000.0,
+        gt=0.0,
+        description="the fastest a learner slot's steps count toward --job-steps: a slot's "
+        "count advances at most this many steps per second of its session, whatever it "
+        "claims (set it a few times above your learners' real step rate)",
+    )
     max_update_norm_ratio: float = Field(
         10.0,
         gt=1.0,
         description="an update whose L2 norm exceeds this many times the median norm of the "
-        "other learners' last accepted updates of the fragment, each scaled to the update's "
-        "inner steps (square root for fewer, linear for more, at most 8x), is refused (before "
-        "any history: this many times the fragment's own norm)",
+        "other learners' last updates of its fragment, each scaled to the update's inner "
+        "steps (square root for fewer, linear for more, at most 8x), is refused (with none "
+        "yet: this many times the fragment's own norm)",
     )
     max_weight_share: float = Field(
         2.0,
         ge=1.0,
         description="an update weighs at most this many times the median weight of the "
-        "fragment's last 16 accepted updates (known before it is summed), so no one "
-        "learner's token count buys the merge",
+        "other learners' last updates of its fragment (with none yet: of the other updates "
+        "in its round), so no one learner's token count buys the merge",
     )
 
 

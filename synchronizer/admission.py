@@ -5,7 +5,9 @@ Nothing here touches state; a refused update never reaches the store.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -199,6 +201,7 @@ def check_same_update(part: session_pb2.UpdateChunk, first: session_pb2.UpdateCh
 # --- ranges of every field a learner sends -------------------------------------------------
 MAX_LEAVES = 100_000  # leaves of a model spec in a hello
 MAX_HELLO_BYTES = 4 << 20
+MAX_SPEC_VALUES = 1 << 40  # values of a model spec, all leaves together (4 TiB in float32)
 MAX_NAME_CHARS = 256  # job, learner ids, incarnations
 MAX_LEAF_NAME_CHARS = 1024
 MAX_RANK = 16
@@ -215,7 +218,8 @@ def _finite_in(value: float, low: float, high: float) -> bool:
 
 
 def check_hello(hello: session_pb2.Hello, job: str) -> None:
-    """A hello's fields and size, before any of its spec is parsed."""
+    """A hello's fields and size, before any of its spec is read leaf by leaf (the spec is
+    checked by `check_spec`, off the event loop, unless it is known by its digest)."""
     if hello.job != job:
         raise Rejection(
             "bad_request",
@@ -229,13 +233,26 @@ def check_hello(hello: session_pb2.Hello, job: str) -> None:
         raise _invalid("bad_request", f"learner_id and incarnation: at most {MAX_NAME_CHARS} chars")
     if len(hello.params) > MAX_LEAVES:
         raise _invalid(
-            "bad_request", f"the model spec has {len(hello.params)} leaves; at most {MAX_LEAVES}"
+            "bad_request",
+            f"the model spec has {len(hello.params)} leaves; a job takes at most {MAX_LEAVES}: "
+            "group small tensors into fewer, larger ones (stack the layers' weights)",
         )
-    if hello.ByteSize() > MAX_HELLO_BYTES:
-        raise _invalid("bad_request", f"hello is over {MAX_HELLO_BYTES} bytes")
+    size = hello.ByteSize()
+    if size > MAX_HELLO_BYTES:
+        raise _invalid(
+            "bad_request",
+            f"the hello is {size} bytes; at most {MAX_HELLO_BYTES} (4 MiB) for the model spec's "
+            "leaf names and shapes: shorten the leaf names or group small tensors into fewer, "
+            "larger ones",
+        )
     if not 0 <= hello.step <= MAX_STEP:
         raise _invalid("bad_request", f"hello step {hello.step} is out of 0..2^53")
-    for leaf in hello.params:
+
+
+def check_spec(params: Sequence[fragment_pb2.TensorSpec]) -> None:
+    """A model spec leaf by leaf (up to MAX_LEAVES of them: run it off the event loop)."""
+    total = 0
+    for leaf in params:
         values = 1
         for d in leaf.shape:
             values *= max(0, d)
@@ -250,6 +267,24 @@ def check_hello(hello: session_pb2.Hello, job: str) -> None:
                 f"leaf {leaf.name[:64]!r}: name over {MAX_LEAF_NAME_CHARS} chars, rank over "
                 f"{MAX_RANK}, a negative dimension or over 2^40 values",
             )
+        total += values
+    if total > MAX_SPEC_VALUES:
+        raise _invalid(
+            "bad_request",
+            f"the model spec holds {total} values; a job takes at most 2^40 (4 TiB in "
+            "float32): check the leaves' shapes",
+        )
+
+
+def spec_digest(hello: session_pb2.Hello) -> bytes:
+    """SHA-256 of a hello's model spec as serialized: a later hello whose spec has the same
+    digest has the same spec, known without reading it leaf by leaf."""
+    spec = session_pb2.Hello()
+    spec.CopyFrom(hello)  # whole, in C: copying the leaves one by one takes longer
+    spec.DiscardUnknownFields()
+    spec.job = spec.learner_id = spec.incarnation = spec.token = ""
+    spec.step = 0
+    return hashlib.sha256(spec.SerializeToString(deterministic=True)).digest()
 
 
 def check_heartbeat(hb: session_pb2.Heartbeat) -> None:
@@ -267,6 +302,14 @@ def check_heartbeat(hb: session_pb2.Heartbeat) -> None:
             raise _invalid("bad_request", f"{name} must be finite, or NaN while unknown")
     if len(hb.still_to_send) > 1 << 16:
         raise _invalid("bad_request", "still_to_send names too many fragments")
+
+
+def counted_steps(counted: float, claimed: int, elapsed_s: float, max_steps_per_s: float) -> float:
+    """How many of a learner slot's steps count toward the job's budget: what it claims, but
+    never more than `max_steps_per_s` per second past what counted before, so no claim can
+    spend the budget at once. A lower claim (a learner restored from an earlier checkpoint)
+    counts at once; a claim that ran ahead catches up at the bound."""
+    return min(float(claimed), counted + max(0.0, elapsed_s) * max_steps_per_s)
 
 
 def check_update_fields(chunk: session_pb2.UpdateChunk) -> None:

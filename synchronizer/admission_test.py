@@ -13,8 +13,11 @@ from synchronizer.admission import (
     check_heartbeat,
     check_hello,
     check_payload,
+    check_spec,
     check_update_fields,
+    counted_steps,
     max_payload_bytes,
+    spec_digest,
 )
 
 LAYOUT = fragment_layout([LeafSpec("a", (100,)), LeafSpec("b", (50,))], 2)
@@ -81,6 +84,19 @@ def test_a_heartbeat_with_unknown_losses_passes() -> None:
     check_heartbeat(session_pb2.Heartbeat(step=2**53, loss=float("nan"), eval_loss=float("nan")))
 
 
+def test_a_slots_steps_count_as_claimed_up_to_the_rate_bound() -> None:
+    assert counted_steps(100.0, 130, 1.0, 1000.0) == 130  # an honest pace counts as claimed
+    assert counted_steps(100.0, 2**53, 1.0, 50.0) == 150  # a lie counts at the bound
+    assert counted_steps(150.0, 2**53, 0.5, 50.0) == 175  # and keeps to it
+    assert counted_steps(100.0, 40, 1.0, 50.0) == 40  # restored from an earlier checkpoint
+    assert counted_steps(100.0, 2**53, -5.0, 50.0) == 100  # a clock going back adds nothing
+    # A slow bound still advances: fractions of a step carry over between heartbeats.
+    steps = 0.0
+    for _ in range(4):
+        steps = counted_steps(steps, 10, 1.0, 0.5)
+    assert steps == 2.0
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
@@ -108,13 +124,30 @@ def test_an_update_announcing_more_bytes_than_its_values_encode_in_is_refused() 
         check_header(header(chunk_count=101), OUTER, 1, LAYOUT)
 
 
-def test_a_hello_with_too_many_leaves_is_refused_before_its_spec_is_read() -> None:
+def test_a_hello_too_large_is_refused_before_its_spec_is_read() -> None:
     leaves = [fragment_pb2.TensorSpec(name="x", shape=[1])] * (MAX_LEAVES + 1)
     hello = session_pb2.Hello(job="j", learner_id="a", incarnation="i", params=leaves)
-    with pytest.raises(Rejection, match="leaves"):
+    with pytest.raises(Rejection, match=r"100001 leaves; .* at most 100000: group small tensors"):
         check_hello(hello, "j")
-    huge = session_pb2.Hello(
-        job="j", learner_id="a", incarnation="i", params=[fragment_pb2.TensorSpec(shape=[2**41])]
-    )
-    with pytest.raises(Rejection, match="2\\^40"):
-        check_hello(huge, "j")
+    names = [fragment_pb2.TensorSpec(name="x" * 1000, shape=[1])] * 5000
+    with pytest.raises(Rejection, match=r"at most 4194304 .*: shorten the leaf names"):
+        check_hello(session_pb2.Hello(job="j", learner_id="a", incarnation="i", params=names), "j")
+
+
+def test_a_spec_is_checked_leaf_by_leaf_and_in_total() -> None:
+    check_spec([fragment_pb2.TensorSpec(name="w", shape=[2**20, 2**20])])
+    with pytest.raises(Rejection, match="2\\^40 values"):
+        check_spec([fragment_pb2.TensorSpec(name="w", shape=[2**41])])
+    with pytest.raises(Rejection, match="rank over"):
+        check_spec([fragment_pb2.TensorSpec(name="w", shape=[1] * 17)])
+    with pytest.raises(Rejection, match="holds 2199023255552 values; a job takes at most 2\\^40"):
+        check_spec([fragment_pb2.TensorSpec(name=f"w{i}", shape=[2**40]) for i in range(2)])
+
+
+def test_a_specs_digest_is_of_its_leaves_only() -> None:
+    leaves = [fragment_pb2.TensorSpec(name="a", shape=[2, 3]), fragment_pb2.TensorSpec(name="b")]
+    one = session_pb2.Hello(job="j", learner_id="a", incarnation="i", params=leaves, step=5)
+    other = session_pb2.Hello(job="k", learner_id="b", incarnation="x", token="t", params=leaves)
+    assert spec_digest(one) == spec_digest(other)
+    other.params[0].shape[1] = 4
+    assert spec_digest(one) != spec_digest(other)

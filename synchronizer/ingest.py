@@ -58,6 +58,13 @@ REFUSALS: dict[str, tuple[str, grpc.StatusCode, str]] = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "update {seq} was received before with other bytes; a retry must resend the same update",
     ),
+    "superseded": (
+        "bad_request",
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "incarnation {incarnation!r} of learner slot {learner!r} is not the slot's current one "
+        "(a newer one said hello since, or this one never did): this process must stop; a "
+        "learner sends its updates under the incarnation of its session",
+    ),
 }
 
 
@@ -272,6 +279,8 @@ class Ingest:
             max_staleness=self.config.max_staleness,
             p=first.header.fragment,
             seq=first.seq,
+            incarnation=first.incarnation[:64],
+            learner=first.learner_id[:64],
         )
         return await self._refuse(first, Rejection(reason, code, message), version)
 

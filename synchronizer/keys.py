@@ -97,9 +97,10 @@ class JobKeys:
         """Hash: uid -> record of each update received into the open round (this epoch)."""
         return fragment_key(self.job, p, "round")
 
-    def seen(self, p: int, learner: str, incarnation: str) -> str:
-        """Hash: seq -> `epoch checksum state` of one incarnation's updates of fragment p."""
-        return fragment_key(self.job, p, "seen", learner, incarnation)
+    def seen(self, p: int, learner: str) -> str:
+        """Hash: seq -> `epoch checksum state` of the updates of fragment p from the slot's
+        newest incarnation to send there, named with its generation (`lua/receive.lua`)."""
+        return fragment_key(self.job, p, "seen", learner)
 
     def log(self, p: int) -> str:
         return fragment_key(self.job, p, "log")

@@ -7,6 +7,7 @@ each update into, chunk by chunk, and turns the summed round into the outer grad
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -27,6 +28,21 @@ def token_weight(c_tokens: int, c_steps: int) -> float:
 def staleness_weight(staleness: int, decay: float) -> float:
     """decay^staleness: an update `staleness` versions behind counts that much less."""
     return float(decay) ** max(0, staleness)
+
+
+def capped_weights(
+    weights: Sequence[float], provisional: Sequence[bool], share: float
+) -> list[float]:
+    """A sealed round's weights. A provisional weight (its update had no other learner's
+    update to be capped against when it began) becomes at most `share` times the median
+    weight of the round's other members, as they claimed or were capped; the others keep
+    theirs (capped when they began). One member alone keeps its own: it is the whole round."""
+    out = list(weights)
+    for i, weight in enumerate(weights):
+        others = [w for j, w in enumerate(weights) if j != i]
+        if provisional[i] and others:
+            out[i] = min(weight, share * statistics.median(others))
+    return out
 
 
 def partial_round_scale(contributors: int, live_learners: int) -> float:

@@ -4,6 +4,7 @@ import pytest
 from synchronizer.merge import (
     MERGE_RULES,
     OuterOptimizer,
+    capped_weights,
     partial_round_scale,
     staleness_weight,
     tensor_norms,
@@ -33,6 +34,19 @@ def merged(
         acc.counted(w, norms, 1)
     acc.prepare()
     return np.concatenate([acc.outer_gradient(0, 1, scale), acc.outer_gradient(1, n, scale)])
+
+
+def test_a_provisional_weight_is_capped_by_the_rounds_other_members() -> None:
+    # The first update of a fragment claimed 10^29; the round's other member weighs 10^5.
+    assert capped_weights([1e29, 1e5], [True, False], 2.0) == [2e5, 1e5]
+    # Both provisional: each against the other as claimed, so the honest one keeps its own.
+    assert capped_weights([1e29, 1e5], [True, True], 2.0) == [2e5, 1e5]
+    assert capped_weights([1e29, 1e5, 3e5], [True, True, True], 2.0) == [4e5, 1e5, 3e5]
+    # Under the cap, or alone in its round (the whole round whatever it weighs): unchanged.
+    assert capped_weights([1.5e5, 1e5], [True, False], 2.0) == [1.5e5, 1e5]
+    assert capped_weights([1e29], [True], 2.0) == [1e29]
+    # A weight capped when it began stays as it is.
+    assert capped_weights([1e29, 1e5], [False, False], 2.0) == [1e29, 1e5]
 
 
 def test_token_weight_is_tokens_squared_over_steps() -> None:

@@ -28,6 +28,7 @@ import xxhash
 
 from services import codec as codecs
 from services import telemetry as tm
+from services.blockwise import check_limit
 from services.config import JobConfig
 from services.downlink import step_segment
 from services.tape import Tape
@@ -35,6 +36,7 @@ from synchronizer.merge import (
     MERGE_RULES,
     Accumulator,
     OuterOptimizer,
+    capped_weights,
     partial_round_scale,
     staleness_weight,
     token_weight,
@@ -56,6 +58,9 @@ MAX_WEIGHTED_VALUE = 1e37  # weight x value beyond this would overflow the float
 # An update covering more steps than its reference may be this many times its norm at most
 # (a claimed step count cannot widen the bound without limit).
 MAX_STEP_SPAN = 8.0
+# With no other learner's update to measure an update against, a fragment of all zeros (or
+# nearly: biases) is measured as if its values had this root mean square.
+REFERENCE_RMS = 0.1
 
 
 class RoundBusy(ValueError):
@@ -63,7 +68,12 @@ class RoundBusy(ValueError):
 
 
 class NormTooLarge(ValueError):
-    """An update's norm is out of bounds against the fragment's recent updates."""
+    """An update's norm is out of bounds against the fragment's recent updates; `norm`: the
+    norm its values reached before they were refused (None: not measured)."""
+
+    def __init__(self, message: str, norm: float | None = None) -> None:
+        super().__init__(message)
+        self.norm = norm
 
 
 class OwnerLost(RuntimeError):
@@ -72,12 +82,13 @@ class OwnerLost(RuntimeError):
 
 @dataclass(eq=False)
 class Chunk:
-    """A chunk summed into a round's accumulator, kept until its update is received."""
+    """A chunk summed into a round's accumulator (None: not summed yet, its update's weight
+    is provisional), kept until its update is received (provisional: until its round merges)."""
 
     offset: int
     count: int
     data: bytes
-    accumulator: Accumulator
+    accumulator: Accumulator | None
 
 
 @dataclass(eq=False)
@@ -98,8 +109,11 @@ class Update:
     accumulator: Accumulator
     chunks: list[Chunk] = field(default_factory=list)
     hasher: Any = field(default_factory=xxhash.xxh3_64)
-    norm_bound: float | None = None  # None: not bounded (no reference yet)
+    norm_bound: float = math.inf
     squares: float = 0.0  # sum of squares of the decoded values so far
+    # No other learner's update to cap the weight against when it began: it is summed only
+    # once its round is sealed, capped against the round's other members then.
+    provisional: bool = False
 
     @property
     def norm(self) -> float:
@@ -145,9 +159,16 @@ class FragmentOwner:
         self.state: list[np.ndarray] = []
         self.residual = np.zeros(0, np.float32)
         self.theta_norm = 0.0
-        # Each learner's last accepted update on this fragment: (weight as capped, L2 norm,
-        # inner steps it covered).
-        self.latest: dict[str, tuple[float, float, int]] = {}
+        # Each learner's last accepted update's weight (as capped) on this fragment, and the
+        # L2 norm (with the inner steps it covered) of its last update accepted or refused
+        # for its norm (as far as it was read,
+        # or as it claimed): the norm bars follow what the other learners send, so learners
+        # whose updates outgrow the bar together (as in warm-up, when a fragment's first
+        # updates are tiny) are not shut out for good.
+        self.weights: dict[str, float] = {}
+        self.norms: dict[str, tuple[float, int]] = {}
+        # Whose idempotency records of this fragment each slot's are, as last recorded here.
+        self.holders: dict[str, str] = {}
         self.current = self.rule.new(size, self.segments)
         self.members: list[Update] = []  # received into the open round
         self.in_flight: set[Update] = set()  # summing, not received yet
@@ -222,7 +243,7 @@ class FragmentOwner:
                 "round; resend once it merges"
             )
         weight = token_weight(c_tokens, c_steps)
-        others = [w for who, (w, _, _) in self.latest.items() if who != learner]
+        others = [w for who, w in self.weights.items() if who != learner]
         if others:
             # No update weighs more than --max-weight-share times the median weight of the
             # other learners' last updates (its fair share): whatever tokens it claims, it
@@ -232,11 +253,18 @@ class FragmentOwner:
             if weight > cap:
                 log.info("weight_capped", fragment=self.fragment, learner=learner, weight=weight)
                 weight = cap
+        # Else (the fragment's first updates, or the first since this owner took it over)
+        # its weight is provisional: capped against the other members of its round once the
+        # round is sealed (`_sum_provisional`), and summed only then.
         if self.version is not None and self.config.staleness_decay != 1.0:
             weight *= staleness_weight(self.version - base_version, self.config.staleness_decay)
         bound = self.norm_bound(learner, c_steps)
         claimed = math.sqrt(sum(float(n) ** 2 for n in norms))
-        if bound is not None and claimed > bound:
+        if claimed > bound:
+            # Refused, but what it says it weighs moves the others' bars (only ever up: it
+            # is over the bar): learners whose updates grow past the bar together, as in
+            # warm-up, let each other in again.
+            self.norms[learner] = (claimed, c_steps)
             raise NormTooLarge(
                 f"the update's tensor norms total {claimed:.3g}, over the bound {bound:.3g} "
                 f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)"
@@ -255,26 +283,27 @@ class FragmentOwner:
             block_size,
             self.current,
             norm_bound=bound,
+            provisional=not others,
         )
         self.in_flight.add(update)
         return update
 
-    def norm_bound(self, learner: str, steps: int) -> float | None:
+    def norm_bound(self, learner: str, steps: int) -> float:
         """The largest L2 norm an update of `steps` inner steps may have:
         --max-update-norm-ratio times the median of the other learners' last updates (a
-        learner's own never moves its bar), each scaled to `steps` (`step_scale`); with no
-        other learner yet, the same against its own last one, or the fragment's own norm (an
-        outer gradient is a fraction of the parameters it moves)."""
+        learner's own never moves its bar), each scaled to `steps` (`step_scale`: a learner
+        whose reply came late sends more steps at once, and the next update fewer). With no
+        other learner's update yet, times the fragment's own norm (an outer gradient is a
+        fraction of the parameters it moves), as if its values had an RMS of at least
+        REFERENCE_RMS (a fragment of zeros); never the learner's own last norm, which would
+        let a slot alone on a fragment raise its own bar tenfold with every update."""
         ratio = self.config.max_update_norm_ratio
         floor = max(1e-3 * self.theta_norm, 1e-12)  # tiny updates cannot shut the others out
-        others = [(n, s) for who, (_, n, s) in self.latest.items() if who != learner]
-        references = others or ([self.latest[learner][1:]] if learner in self.latest else [])
-        if references:
-            scaled = [n * step_scale(steps, s) for n, s in references]
+        others = [(n, s) for who, (n, s) in self.norms.items() if who != learner]
+        if others:
+            scaled = [n * step_scale(steps, s) for n, s in others]
             return ratio * max(statistics.median(scaled), floor)
-        if self.theta_norm > 0:
-            return ratio * self.theta_norm
-        return None
+        return ratio * max(self.theta_norm, REFERENCE_RMS * math.sqrt(self.size))
 
     def check_norms(self, update: Update) -> None:
         """The per-tensor norms an update claimed (radial merging divides by them) must be
@@ -293,9 +322,18 @@ class FragmentOwner:
     def add(self, update: Update, offset: int, count: int, data: bytes) -> asyncio.Future[None]:
         """Queue one chunk to be hashed, decoded and summed into the update's round on the
         fragment's worker, in arrival order; the future raises CodecError or NormTooLarge."""
-        return asyncio.get_running_loop().run_in_executor(
+        job = asyncio.get_running_loop().run_in_executor(
             self.worker, self._add, update, offset, count, data
         )
+
+        def follow(done: asyncio.Future[None]) -> None:
+            err = None if done.cancelled() else done.exception()
+            if isinstance(err, NormTooLarge) and err.norm is not None:
+                # At least this large: the others' bars follow it.
+                self.norms[update.learner] = (err.norm, update.c_steps)
+
+        job.add_done_callback(follow)
+        return job
 
     # The chunk records and the sums are touched on the worker thread only, one job at a
     # time; which round an update belongs to (`update.accumulator`, the members) changes on
@@ -303,20 +341,27 @@ class FragmentOwner:
     # job runs, and its record says which that was.
     def _add(self, update: Update, offset: int, count: int, data: bytes) -> None:
         update.hasher.update(data)
-        target = update.accumulator
         segment = codecs.Segment(offset, count, data)
-        squares = self._sum(update, target, segment, update.weight)
+        # A provisional update is checked now and summed once its weight is known
+        # (`_sum_provisional`).
+        target = None if update.provisional else update.accumulator
+        if target is None:
+            squares = _squares(update, segment)
+        else:
+            squares = self._sum(update, target, segment, update.weight)
         refusal: Exception | None = None
         bound = update.norm_bound
         if not math.isfinite(squares):
             refusal = codecs.CodecError("payload decodes to NaN or Inf values (a scale overflows)")
-        elif bound is not None and update.squares + squares > bound * bound:
+        elif update.squares + squares > bound * bound:
             refusal = NormTooLarge(
                 f"the update's L2 norm is over {bound:.3g} "
-                f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)"
+                f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)",
+                math.sqrt(update.squares + squares),
             )
         if refusal is not None:  # known only once summed: out again, as if never in
-            self._sum(update, target, segment, -update.weight)
+            if target is not None:
+                self._sum(update, target, segment, -update.weight)
             raise refusal
         update.squares += squares
         update.chunks.append(Chunk(offset, count, data, target))
@@ -329,9 +374,28 @@ class FragmentOwner:
 
     def _take_out(self, update: Update) -> None:
         for chunk in update.chunks:
-            segment = codecs.Segment(chunk.offset, chunk.count, chunk.data)
-            self._sum(update, chunk.accumulator, segment, -update.weight)
+            if chunk.accumulator is not None:
+                segment = codecs.Segment(chunk.offset, chunk.count, chunk.data)
+                self._sum(update, chunk.accumulator, segment, -update.weight)
         update.chunks.clear()
+
+    def _sum_provisional(self, members: list[Update], sealed: Accumulator) -> None:
+        """Cap the provisional weights of a sealed round's members against the round's other
+        members, and sum those members in."""
+        weights = capped_weights(
+            [u.weight for u in members],
+            [u.provisional for u in members],
+            self.config.max_weight_share,
+        )
+        for update, weight in zip(members, weights, strict=True):
+            if not update.provisional:
+                continue
+            update.weight = weight
+            for chunk in update.chunks:
+                segment = codecs.Segment(chunk.offset, chunk.count, chunk.data)
+                self._sum(update, sealed, segment, weight)
+            sealed.counted(weight, update.norms, 1)
+            update.chunks.clear()
 
     def _move(self, update: Update, sealed: Accumulator) -> None:
         """Chunks summed into a round being merged go to the update's round now."""
@@ -362,7 +426,38 @@ class FragmentOwner:
             "epoch": self.epoch,
         }
         try:
-            status, version = await self.store.receive(
+            status, version = await self._record(update, checksum, record)
+        except BaseException:
+            await self.abandon(update)
+            raise
+        if status != "received":
+            await self.abandon(update)
+            if status == "not_owner":
+                self.lost = True
+            return status, version
+        self.in_flight.discard(update)
+        if not update.provisional:  # received: nothing of it moves again
+            self.worker.submit(update.chunks.clear)
+            update.accumulator.counted(update.weight, update.norms, 1)
+        self.weights[update.learner] = update.weight  # as capped (provisional: as claimed)
+        self.norms[update.learner] = (update.norm, update.c_steps)
+        self.members.append(update)  # of the open round: one sealed meanwhile moved it
+        self.last_received = time.monotonic()
+        tm.UPDATES_ACCEPTED.inc()
+        self.tape.write("accepted", uid=update.uid, fragment=self.fragment, learner=update.learner)
+        self.wake.set()
+        return status, version
+
+    async def _record(
+        self, update: Update, checksum: int, record: dict[str, Any]
+    ) -> tuple[str, int]:
+        """Record the update in Redis (`lua/receive.lua`). The slot's idempotency records of
+        this fragment are one incarnation's: while they are this update's (as far as this
+        owner knows), one call; else only the slot's current incarnation (the last to say
+        hello) may take their place, looked up first."""
+
+        async def receive(generation: int | None) -> tuple[str, int]:
+            return await self.store.receive(
                 self.fragment,
                 self.replica,
                 self.epoch,
@@ -373,24 +468,19 @@ class FragmentOwner:
                 base_version=update.base_version,
                 max_staleness=self.config.max_staleness,
                 record=record,
+                generation=generation,
             )
-        except BaseException:
-            await self.abandon(update)
-            raise
-        if status != "received":
-            await self.abandon(update)
-            if status == "not_owner":
-                self.lost = True
-            return status, version
-        self.in_flight.discard(update)
-        self.worker.submit(update.chunks.clear)  # received: nothing of it moves again
-        update.accumulator.counted(update.weight, update.norms, 1)
-        self.latest[update.learner] = (update.weight, update.norm, update.c_steps)
-        self.members.append(update)  # of the open round: one sealed meanwhile moved it
-        self.last_received = time.monotonic()
-        tm.UPDATES_ACCEPTED.inc()
-        self.tape.write("accepted", uid=update.uid, fragment=self.fragment, learner=update.learner)
-        self.wake.set()
+
+        if self.holders.get(update.learner) == update.incarnation:
+            status, version = await receive(None)
+            if status != "new_incarnation":
+                return status, version
+        current = await self.store.incarnation(update.learner)
+        if current is not None and current[0] != update.incarnation:
+            return "superseded", 0
+        status, version = await receive(current[1] if current is not None else 0)
+        if status in ("received", "again", "duplicate"):
+            self.holders[update.learner] = update.incarnation
         return status, version
 
     # --- the round ----------------------------------------------------------------------
@@ -496,6 +586,16 @@ class FragmentOwner:
         started = time.monotonic()
         learners = {u.learner for u in updates}
         scale = partial_round_scale(len(learners), live_learners) if live_learners else 1.0
+        claimed = {u: u.weight for u in updates if u.provisional}
+        if claimed:
+            await self._on_worker(self._sum_provisional, updates, sealed)
+            for u, weight in claimed.items():
+                if u.weight < weight:
+                    log.info(
+                        "weight_capped", fragment=self.fragment, learner=u.learner, weight=weight
+                    )
+                if self.weights.get(u.learner) == weight:  # not a newer one's since
+                    self.weights[u.learner] = u.weight
         delta = await self._on_worker(self._step, sealed, scale)
         version = self.version + 1
         job, p, e = self.store.job, self.fragment, self.epoch
@@ -593,6 +693,15 @@ class FragmentOwner:
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
+
+
+def _squares(update: Update, segment: codecs.Segment) -> float:
+    """A chunk's sum of squares, nothing summed; refused as `add_encoded` would."""
+    values = update.codec.decode(segment.data, segment.count, update.block_size)
+    largest = float(np.abs(values).max()) if values.size else 0.0
+    check_limit(largest, update.weight, MAX_WEIGHTED_VALUE, update.codec.name)
+    with np.errstate(over="ignore"):
+        return float(np.dot(values, values))
 
 
 def step_scale(steps: int, reference_steps: int) -> float:

@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import json
 import math
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,14 @@ from services.outage import OutageLog
 from services.tape import Tape
 from services.wire import segments_header
 from synchronizer import admission, auth, ranges
-from synchronizer.admission import Rejection, check_heartbeat, check_hello
+from synchronizer.admission import (
+    Rejection,
+    check_heartbeat,
+    check_hello,
+    check_spec,
+    counted_steps,
+    spec_digest,
+)
 from synchronizer.ownership import Ownership
 from synchronizer.store import ControlStore
 from synchronizer.tensors import TensorStore
@@ -51,7 +59,7 @@ def spec_from_json(text: str) -> list[LeafSpec]:
     return [LeafSpec(name, tuple(shape), dtype) for name, shape, dtype in json.loads(text)]
 
 
-def specs_from_proto(params: list[fragment_pb2.TensorSpec]) -> list[LeafSpec]:
+def specs_from_proto(params: Sequence[fragment_pb2.TensorSpec]) -> list[LeafSpec]:
     return [LeafSpec(p.name, tuple(int(d) for d in p.shape), p.dtype or "float32") for p in params]
 
 
@@ -59,20 +67,14 @@ def specs_to_proto(specs: list[LeafSpec]) -> list[fragment_pb2.TensorSpec]:
     return [fragment_pb2.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in specs]
 
 
-def parse_spec(params: list[fragment_pb2.TensorSpec], fragments: int) -> str:
-    """A hello's parameter spec, checked against the layout, as canonical JSON (raises
-    LayoutError). Run off the event loop: a spec may hold up to MAX_LEAVES leaves."""
+def parse_spec(params: Sequence[fragment_pb2.TensorSpec], fragments: int) -> str:
+    """A hello's parameter spec, checked leaf by leaf and against the layout, as canonical
+    JSON (raises Rejection, LayoutError). Run off the event loop: a spec may hold up to
+    MAX_LEAVES leaves."""
+    check_spec(params)
     specs = specs_from_proto(params)
     fragment_layout(specs, fragments)
     return spec_to_json(specs)
-
-
-def busy(slot: str) -> SessionClosed:
-    return SessionClosed(
-        grpc.StatusCode.ALREADY_EXISTS,
-        f"learner slot {slot!r} has a live session already; a new one may start once it ends "
-        "or its lease lapses (retrying)",
-    )
 
 
 class SessionClosed(Exception):
@@ -81,6 +83,25 @@ class SessionClosed(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code, self.details = code, details
+
+
+MAX_KNOWN_SPECS = 8  # digests of hello specs known to be the job's, kept per replica
+
+
+def model_differs() -> SessionClosed:
+    return SessionClosed(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "this learner's model differs from the job's (leaf names or shapes); start it with the "
+        "same model flags as the others, or use a new --job",
+    )
+
+
+def busy(slot: str) -> SessionClosed:
+    return SessionClosed(
+        grpc.StatusCode.ALREADY_EXISTS,
+        f"learner slot {slot!r} has a live session already; a new one may start once it ends "
+        "or its lease lapses (retrying)",
+    )
 
 
 @dataclass
@@ -93,6 +114,10 @@ class Connection:
     sent_versions: dict[int, int] = field(default_factory=dict)
     notified: dict[int, int] = field(default_factory=dict)  # commits told of, per fragment
     notices: bool = False  # told new versions; fetches their values itself (by ranges)
+    # The slot's steps toward the job's budget, and when they were last counted (monotonic).
+    counted_steps: float = 0.0
+    counted_at: float = field(default_factory=time.monotonic)
+    rate_bound_told: bool = False  # the log said once that this session's claims ran ahead
 
     @property
     def prefix(self) -> str:
@@ -174,6 +199,10 @@ class Sessions:
         self._layout, self._adopt_spec = layout, adopt_spec
         self.connections: dict[str, Connection] = {}
         self.owner_map: list[session_pb2.FragmentOwner] = []
+        self._greeting: set[str] = set()  # slots whose hello this replica is answering
+        self._known_specs: dict[bytes, str] = {}  # spec digest -> the job's spec (JSON)
+        self._spec_reads = asyncio.Semaphore(1)  # specs read leaf by leaf: one at a time
+        self._spec_welcome: tuple[str, session_pb2.Welcome] | None = None  # its params only
 
     # --- the control stream ---------------------------------------------------------------
     async def Session(
@@ -241,14 +270,42 @@ class Sessions:
             raise SessionClosed(rejection.code, rejection.message) from None
         except auth.AuthError as err:
             raise SessionClosed(err.code, err.details) from None
-        if any(c.learner == hello.learner_id for c in self.connections.values()):
-            raise busy(hello.learner_id)
+        slot = hello.learner_id
+        if slot in self._greeting or any(c.learner == slot for c in self.connections.values()):
+            raise busy(slot)
+        self._greeting.add(slot)
         try:
-            spec_json = await asyncio.to_thread(parse_spec, list(hello.params), cfg.fragments)
-        except LayoutError as err:
-            raise SessionClosed(
-                grpc.StatusCode.INVALID_ARGUMENT, f"bad model spec: {err}"
-            ) from None
+            return await self._join(hello)
+        finally:
+            self._greeting.discard(slot)
+
+    async def _spec(self, hello: session_pb2.Hello) -> tuple[bytes, str]:
+        """The hello's spec as canonical JSON, and its digest. A spec whose digest is known
+        is the job's. Another is refused unread if its leaf count is not the job's, else read
+        leaf by leaf, off the event loop and one spec at a time."""
+        digest = await asyncio.to_thread(spec_digest, hello)
+        known = self._known_specs.get(digest)
+        if known is not None:
+            return digest, known
+        layout = self._layout()
+        if layout is not None and len(hello.params) != sum(len(f.leaves) for f in layout.fragments):
+            raise model_differs()
+        async with self._spec_reads:
+            try:
+                spec = await asyncio.to_thread(parse_spec, hello.params, self.settings.fragments)
+            except Rejection as rejection:
+                raise SessionClosed(rejection.code, rejection.message) from None
+            except LayoutError as err:
+                raise SessionClosed(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"bad model spec: {err}"
+                ) from None
+        return digest, spec
+
+    async def _join(
+        self, hello: session_pb2.Hello
+    ) -> tuple[Connection, session_pb2.SynchronizerMessage]:
+        cfg = self.settings
+        digest, spec_json = await self._spec(hello)
         initialized = await self.store.is_initialized(cfg.fragments)
         joined = await self.store.hello(
             spec_json, hello.learner_id, hello.incarnation, cfg.lease_ttl_s, hello.step, initialized
@@ -256,11 +313,9 @@ class Sessions:
         if joined.status == "busy":
             raise busy(hello.learner_id)
         if joined.status != "ok":
-            raise SessionClosed(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "this learner's model differs from the job's (leaf names or shapes); start it "
-                "with the same model flags as the others, or use a new --job",
-            )
+            raise model_differs()
+        if len(self._known_specs) < MAX_KNOWN_SPECS:
+            self._known_specs[digest] = spec_json
         if joined.previous and joined.previous != hello.incarnation:
             log.info("learner_new_incarnation", learner=hello.learner_id, previous=joined.previous)
         self._adopt_spec(spec_json)
@@ -275,8 +330,11 @@ class Sessions:
             sent_versions=dict(enumerate(versions)),
             notified=dict(enumerate(versions)),
             notices=hello.version_notices,
+            counted_steps=float(joined.counted_steps),
         )
-        welcome = session_pb2.Welcome(
+        welcome = session_pb2.Welcome()
+        welcome.CopyFrom(await self._welcome_params(spec_json))
+        details = session_pb2.Welcome(
             config=session_pb2.JobConfig(
                 job=cfg.job,
                 mode=cfg.mode,
@@ -291,14 +349,25 @@ class Sessions:
                 job_steps=cfg.job_steps,
                 keep_overlap_progress=cfg.keep_overlap_progress,
             ),
-            params=specs_to_proto(spec_from_json(spec_json)),
             versions=versions,
             initialized=initialized,
             synchronizer_id=cfg.replica_id,
             initializer=joined.initializer,
             owners=await self._owners(layout.num_fragments),
         )
+        welcome.MergeFrom(details)
         return conn, session_pb2.SynchronizerMessage(welcome=welcome)
+
+    async def _welcome_params(self, spec_json: str) -> session_pb2.Welcome:
+        """A welcome holding the job's spec only, built once, off the event loop (a spec may
+        hold up to MAX_LEAVES leaves); a welcome starts as a copy of it."""
+        if self._spec_welcome is None or self._spec_welcome[0] != spec_json:
+
+            def build() -> session_pb2.Welcome:
+                return session_pb2.Welcome(params=specs_to_proto(spec_from_json(spec_json)))
+
+            self._spec_welcome = (spec_json, await asyncio.to_thread(build))
+        return self._spec_welcome[1]
 
     async def _read(
         self, conn: Connection, request_iterator: AsyncIterator[session_pb2.LearnerMessage]
@@ -333,10 +402,25 @@ class Sessions:
         except Rejection as rejection:
             conn.outbox.put_nowait(SessionClosed(rejection.code, rejection.message))
             return False
+        now = time.monotonic()
+        rate = self.settings.max_steps_per_s
+        counted = counted_steps(conn.counted_steps, hb.step, now - conn.counted_at, rate)
+        conn.counted_steps, conn.counted_at = counted, now
+        if counted < hb.step and not conn.rate_bound_told:
+            conn.rate_bound_told = True
+            log.warning(
+                "steps_counted_at_bound",
+                learner=conn.learner,
+                claimed=hb.step,
+                counted=int(counted),
+                max_steps_per_s=rate,
+                hint="raise --max-steps-per-s if this learner really steps this fast",
+            )
         steps_done = await self.store.heartbeat(
             conn.learner,
             conn.incarnation,
             self.settings.lease_ttl_s,
+            int(counted),
             step=float(hb.step),
             ema=hb.step_time_ema_s,
             tokens_s=hb.tokens_per_s,

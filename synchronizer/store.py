@@ -25,7 +25,7 @@ from services.config import INIT_CLAIM_S
 from synchronizer.keys import JobKeys
 
 SUPPORTED_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel")
-SEEN_TTL_S = 7 * 86_400
+SEEN_TTL_S = 7 * 86_400  # a slot's idempotency records of a fragment it stopped sending to
 LOG_KEEP = 2000  # commit log entries kept per fragment (older ones are in the tape)
 
 
@@ -60,6 +60,7 @@ class Hello:
     status: str  # ok, spec_mismatch (the learner's model differs), busy (slot has a session)
     previous: str  # the incarnation this one replaces ("" if none)
     initializer: bool  # the job has no parameters yet and this learner is to send them
+    counted_steps: int = 0  # the slot's steps toward the job's budget, as counted now
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ class ControlStore:
         k = self.keys
         reply = await self._run(
             "hello",
-            [k.spec, k.learners, k.learner(learner), k.ema, k.init_claim],
+            [k.spec, k.learners, k.learner(learner), k.ema, k.init_claim, k.slot_steps],
             [
                 spec_json,
                 learner,
@@ -213,18 +214,20 @@ class ControlStore:
         )
         if _s(reply[0]) != "ok":
             return Hello(_s(reply[0]), "", False)
-        return Hello("ok", _s(reply[1]), bool(int(reply[2])))
+        return Hello("ok", _s(reply[1]), bool(int(reply[2])), int(reply[3]))
 
     async def heartbeat(
         self,
         learner: str,
         incarnation: str,
         ttl_s: float,
+        counted: int,
         still_to_send: list[int] | None = None,
         **fields: float,
     ) -> int | None:
         """Renew the lease; return the job's steps over all slots, None if not renewed.
-        `still_to_send`: finishing, with these fragments' updates still to come (None: not)."""
+        `still_to_send`: finishing, with these fragments' updates still to come (None: not);
+        `counted`: the slot's steps toward the budget (its claimed `step`, bounded)."""
         args: list[Any] = [learner, incarnation, int(ttl_s * 1000)]
         args += [repr(float(fields[k])) for k in ("step", "ema", "tokens_s", "loss", "eval_loss")]
         args.append(int(fields.get("done", 0)))
@@ -232,6 +235,7 @@ class ControlStore:
         args.append(
             "".join(f",{p}" for p in still_to_send) + "," if still_to_send is not None else ""
         )
+        args.append(counted)
         k = self.keys
         keys = [k.learners, k.learner(learner), k.ema, k.slot_steps, k.finished, k.finishing]
         total = int(await self._run("heartbeat", keys, args))
@@ -360,7 +364,11 @@ class ControlStore:
         base_version: int,
         max_staleness: int,
         record: dict[str, Any],
+        generation: int | None = None,
     ) -> tuple[str, int]:
+        """Record a received update (`lua/receive.lua`). `generation`: the slot's count of
+        hellos when `incarnation` was read to be its current one; None: not read yet (the
+        status is `new_incarnation` if the slot's records here are another's)."""
         k = self.keys
         reply = await self._run(
             "receive",
@@ -368,7 +376,7 @@ class ControlStore:
                 k.frag(fragment),
                 k.owner(fragment),
                 k.round(fragment),
-                k.seen(fragment, learner, incarnation),
+                k.seen(fragment, learner),
                 k.fragment_stats(fragment),
             ],
             [
@@ -380,16 +388,29 @@ class ControlStore:
                 base_version,
                 max_staleness,
                 json.dumps(record),
+                incarnation,
+                "" if generation is None else generation,
+                SEEN_TTL_S,
             ],
         )
         return _s(reply[0]), int(reply[1])
 
+    async def incarnation(self, learner: str) -> tuple[str, int] | None:
+        """A slot's current incarnation and generation (its count of hellos); None if it
+        never said hello."""
+        incarnation, joins = await self.redis.hmget(
+            self.keys.learner(learner), "incarnation", "joins"
+        )
+        if incarnation is None:
+            return None
+        return _s(incarnation), int(joins or 0)
+
     async def commit(self, commit: Commit) -> tuple[str, int]:
         k = self.keys
         p = commit.fragment
-        pairs: list[Any] = []
+        triples: list[Any] = []
         for learner, incarnation, seq in commit.merged:
-            pairs += [f"{learner}/{incarnation}/{seq}", seq]
+            triples += [f"{learner}/{incarnation}/{seq}", seq, incarnation]
         reply = await self._run(
             "commit",
             [
@@ -398,7 +419,7 @@ class ControlStore:
                 k.round(p),
                 k.log(p),
                 k.fragment_stats(p),
-                *(k.seen(p, learner, inc) for learner, inc, _ in commit.merged),
+                *(k.seen(p, learner) for learner, _, _ in commit.merged),
             ],
             [
                 commit.replica,
@@ -413,7 +434,7 @@ class ControlStore:
                 commit.stale_folded,
                 LOG_KEEP,
                 len(commit.merged),
-                *pairs,
+                *triples,
             ],
         )
         return _s(reply[0]), int(reply[1])

@@ -7,6 +7,7 @@ the global state (versions, values, pending updates, spec, live learners).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import socket
@@ -14,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,9 @@ from cluster.redis_server import RedisServer
 from learner.client import SessionError, SynchronizerClient
 from services import codec as codecs
 from services import tls
+from services.config import JobConfig
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
+from synchronizer import inspect
 from synchronizer.admission import MAX_LEAVES
 from tests import support
 from tests.conftest import SpawnSynchronizer
@@ -70,17 +74,20 @@ def hello(slot: str, **kw: Any) -> session_pb2.LearnerMessage:
     return session_pb2.LearnerMessage(hello=session_pb2.Hello(**fields))
 
 
-def session_call(address: str, credentials: grpc.ChannelCredentials | None = None) -> Any:
+@contextlib.contextmanager
+def session_call(address: str, credentials: grpc.ChannelCredentials | None = None) -> Iterator[Any]:
+    """The Session call on a channel of its own, closed afterwards."""
     channel = (
         grpc.secure_channel(address, credentials)
         if credentials is not None
         else grpc.insecure_channel(address)
     )
-    return channel.stream_stream(
-        SERVICE + "Session",
-        request_serializer=session_pb2.LearnerMessage.SerializeToString,
-        response_deserializer=session_pb2.SynchronizerMessage.FromString,
-    )
+    with channel:
+        yield channel.stream_stream(
+            SERVICE + "Session",
+            request_serializer=session_pb2.LearnerMessage.SerializeToString,
+            response_deserializer=session_pb2.SynchronizerMessage.FromString,
+        )
 
 
 def session_refusal(
@@ -98,14 +105,15 @@ def session_refusal(
         yield from messages
         ended.wait(timeout)  # keep the stream open: the server must end it
 
-    call = session_call(address, credentials)(requests(), metadata=metadata, timeout=timeout)
-    try:
-        for _ in call:
-            pass
-    except grpc.RpcError as err:
-        return err.code()
-    finally:
-        ended.set()
+    with session_call(address, credentials) as session:
+        call = session(requests(), metadata=metadata, timeout=timeout)
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as err:
+            return err.code()
+        finally:
+            ended.set()
     return grpc.StatusCode.OK
 
 
@@ -160,8 +168,9 @@ def still_merges(c: SynchronizerClient, r: redis.Redis, fragment: int = 0) -> No
     """The legitimate learner's next update is received and merged."""
     v = support.version(r, fragment)
     seq = support.send_delta(c, fragment, P, v, seed=100 + v)
-    assert c.wait_ack(seq, 15, received=True).status == session_pb2.ACK_STATUS_RECEIVED
-    wait_until(lambda: support.version(r, fragment) == v + 1, what="the legitimate merge")
+    ok = (session_pb2.ACK_STATUS_RECEIVED, session_pb2.ACK_STATUS_COMMITTED)  # merges fast
+    assert c.wait_ack(seq, 15, received=True).status in ok
+    wait_until(lambda: support.version(r, fragment) >= v + 1, what="the legitimate merge")
 
 
 def owner_address(c: SynchronizerClient, fragment: int) -> str:
@@ -411,6 +420,153 @@ def test_a_huge_token_count_does_not_buy_the_merge(
         evil.close()
 
 
+def update_of(
+    c: SynchronizerClient, fragment: int, values: np.ndarray, seq: int, **kw: Any
+) -> tuple[list[session_pb2.UpdateChunk], np.ndarray]:
+    """An int8 update of `values` from `c`'s slot and incarnation; and what it decodes to."""
+    segments, decoded = codecs.encode_segments(codecs.by_name("int8"), values, 256, 2048)
+    chunks = support.chunks_for(
+        fragment,
+        segments,
+        num_elements=values.size,
+        seq=seq,
+        learner=c.learner_id,
+        incarnation=c.incarnation,
+        **INT8,
+        **kw,
+    )
+    return chunks, decoded
+
+
+def test_the_first_update_of_a_fragment_does_not_buy_its_first_merge(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    # Quorum 2: evil's first update waits in the fragment's first round, claiming 10^15
+    # tokens (10^29 as a weight), with nothing yet to measure it against; l0's honest one
+    # (10^5) joins it. evil's weight is capped against l0's once the round is sealed.
+    c0, evil = l0_and_evil(tmp_path, spawn_synchronizer)
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c0, P)
+        theta = fetch_values(c0, 0)
+        rng = np.random.default_rng(7)
+        bad, bad_decoded = update_of(
+            evil, 0, rng.normal(scale=0.01, size=N0).astype(np.float32), 1, c_tokens=10**15
+        )
+        assert evil.ingest_raw(bad).status == session_pb2.ACK_STATUS_RECEIVED
+        good, good_decoded = update_of(c0, 0, rng.normal(scale=0.01, size=N0).astype(np.float32), 1)
+        assert c0.ingest_raw(good).status == session_pb2.ACK_STATUS_RECEIVED
+        wait_until(lambda: support.version(r, 0) == 1, what="the fragment's first round")
+        entry = support.commit_log(r, 0)[0]
+        weights = dict(zip(entry["learners"], entry["weights"], strict=True))  # type: ignore[call-overload]
+        assert weights == {"evil": 2e5, "l0": 1e5}  # 2 x l0's, not 10^29
+        # The value moved by the mean at those weights (up to the int8 downlink's rounding,
+        # which the owner's value takes too), not by evil's update.
+        lr = JobConfig().outer_lr  # the job's default outer step
+        move = -lr * (2e5 * bad_decoded + 1e5 * good_decoded) / 3e5
+        rounding = np.abs(move).max() / 127
+        assert np.abs(fetch_values(c0, 0) - (theta + move)).max() <= rounding
+        assert np.abs(-lr * bad_decoded - move).max() > 10 * rounding
+    finally:
+        c0.close()
+        evil.close()
+
+
+def test_the_first_updates_of_a_fragment_are_bounded_by_its_own_norm(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer(
+        "--fragments",
+        str(P),
+        "--grace-seconds",
+        "0",
+        "--learner-tokens-file",
+        str(tokens_file(tmp_path)),
+    )
+    c0 = support.client([sync.address], "l0", token=TOKENS["l0"])
+    evil = support.client([sync.address], "evil", token=TOKENS["evil"])
+    r = redis.Redis(port=redis_server.port)
+    try:
+        # Fragment 0 starts at zero (biases): with nothing to compare an update against, it
+        # is measured as values of RMS 0.1, so an update of RMS 2 is refused.
+        lay = support.layout(P)
+        c0.wait_ack(c0.send_initial(0, np.zeros(N0, np.float32)), 30)
+        c0.wait_ack(c0.send_initial(1, lay.gather(1, support.initial_params())), 30)
+        before = snapshot(r)
+        chunks, _ = update_of(evil, 0, np.full(N0, 2.0, np.float32), 1)
+        ack = evil.ingest_raw(chunks)
+        assert ack.status == session_pb2.ACK_STATUS_REJECTED
+        assert "L2 norm" in ack.reason, ack.reason
+        assert snapshot(r) == before
+        # Alone on fragment 1, evil's updates are measured against the fragment's own norm
+        # every time, never against its own last one (which would let it raise its bar
+        # tenfold with every update).
+        n1 = lay.fragments[1].num_elements
+        theta = float(np.linalg.norm(fetch_values(c0, 1)))
+        unit = np.ones(n1, np.float32) / np.sqrt(n1)
+        chunks, _ = update_of(evil, 1, 5 * theta * unit, 2)
+        assert evil.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
+        wait_until(lambda: support.version(r, 1) == 1, what="evil's first round")
+        before = snapshot(r)
+        chunks, _ = update_of(evil, 1, 20 * theta * unit, 3, base_version=1)
+        ack = evil.ingest_raw(chunks)
+        assert ack.status == session_pb2.ACK_STATUS_REJECTED
+        assert "L2 norm" in ack.reason, ack.reason
+        assert snapshot(r) == before
+        # The learners' real first updates pass.
+        still_merges(c0, r, 0)
+        still_merges(c0, r, 1)
+    finally:
+        c0.close()
+        evil.close()
+
+
+def test_updates_that_outgrow_the_bar_together_are_not_shut_out_for_good(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    # As in warm-up: the first updates of a fragment are tiny, the next 30 times larger.
+    # Measured against each other's tiny last updates, both learners' were refused for
+    # ever; the bar now follows what the other learner sends, refused or not.
+    sync = spawn_synchronizer(
+        "--fragments",
+        str(P),
+        "--grace-seconds",
+        "0",
+        "--learner-tokens-file",
+        str(tokens_file(tmp_path)),
+    )
+    c0 = support.client([sync.address], "l0", token=TOKENS["l0"])
+    c1 = support.client([sync.address], "l1", token=TOKENS["l1"])
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c0, P)
+        rng = np.random.default_rng(3)
+
+        def send(c: SynchronizerClient, scale: float, seq: int) -> session_pb2.Ack:
+            values = rng.normal(scale=scale, size=N0).astype(np.float32)
+            v = support.version(r, 0)
+            chunks, _ = update_of(c, 0, values, seq, base_version=v)
+            chunks[0].tensor_norms.append(float(np.linalg.norm(values)))  # as learners do
+            ack = c.ingest_raw(chunks)
+            if ack.status == session_pb2.ACK_STATUS_RECEIVED:
+                wait_until(lambda: support.version(r, 0) > v, what="the round")
+            return ack
+
+        assert send(c0, 1e-3, 1).status == session_pb2.ACK_STATUS_RECEIVED
+        assert send(c1, 1e-3, 1).status == session_pb2.ACK_STATUS_RECEIVED
+        refused = send(c0, 3e-2, 2)  # over 10 x l1's last: refused
+        assert refused.status == session_pb2.ACK_STATUS_REJECTED
+        assert "norms total" in refused.reason, refused.reason
+        for seq in (2, 3):  # l1's bar follows l0's refused one; then l0's follows l1's
+            assert send(c1, 3e-2, seq).status == session_pb2.ACK_STATUS_RECEIVED
+            assert send(c0, 3e-2, seq + 1).status == session_pb2.ACK_STATUS_RECEIVED
+        # evil-sized ones are still refused: 10 x the others' last is the bar.
+        assert send(c1, 1.0, 4).status == session_pb2.ACK_STATUS_REJECTED
+    finally:
+        c0.close()
+        c1.close()
+
+
 def fetch_values(c: SynchronizerClient, fragment: int) -> np.ndarray:
     return c.fetch_state([fragment])[0].values
 
@@ -501,6 +657,59 @@ def test_compute_seconds_nan_is_refused_before_anything_changes(
         refused(c, r, chunks, reason)
 
 
+def test_rotating_incarnations_keep_one_record_set_per_slot_and_fragment(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    # Each new incarnation of a slot once left its idempotency records of every fragment for
+    # 7 days: a client saying hello again and again could fill Redis. Now a slot's newest
+    # incarnation's records replace the older one's, and the older one is refused from then
+    # on, so none of its committed updates can be applied again.
+    sync, c, r = job
+    evil = support.client([sync.address], "evil", token=TOKENS["evil"])
+    values = np.random.default_rng(9).normal(scale=0.01, size=N0).astype(np.float32)
+    first, _ = update_of(evil, 0, values, 900, base_version=support.version(r, 0))
+    assert evil.ingest_raw(first).status == session_pb2.ACK_STATUS_RECEIVED
+    wait_until(lambda: support.version(r, 0) == 1, what="the first incarnation's merge")
+    for i in range(6):
+        evil.close()
+        evil = support.client([sync.address], "evil", token=TOKENS["evil"])
+        for p in range(P):
+            v = support.version(r, p)
+            evil.wait_ack(support.send_delta(evil, p, P, v, seed=i), 15, received=True)
+            wait_until(lambda p=p, v=v: support.version(r, p) == v + 1, what="a merge")
+    try:
+        records = {_s(k) for k in r.scan_iter(match="*:seen:evil*")}
+        assert records == {support.KEYS.seen(p, "evil") for p in range(P)}
+        assert {_s(r.hget(k, "incarnation")) for k in records} == {evil.incarnation}
+        before = snapshot(r)
+        # The first incarnation's committed update, sent again: refused, not applied twice.
+        again = ingest(owner_address(c, 0), first, bearer("evil"))
+        assert again.status == session_pb2.ACK_STATUS_REJECTED
+        assert "not the slot's current one" in again.reason
+        # An incarnation that never said hello cannot take the records' place either.
+        made_up, _ = update_of(evil, 1, values, 901, base_version=support.version(r, 1))
+        for chunk in made_up:
+            chunk.incarnation = "made-up"
+        assert ingest(owner_address(c, 1), made_up, bearer("evil")).status == (
+            session_pb2.ACK_STATUS_REJECTED
+        )
+        assert snapshot(r) == before
+        assert {_s(k) for k in r.scan_iter(match="*:seen:evil*")} == records
+        # The current incarnation's retries are still answered from its records.
+        v = support.version(r, 0)
+        current, _ = update_of(evil, 0, values, 902, base_version=v)
+        assert evil.ingest_raw(current).status == session_pb2.ACK_STATUS_RECEIVED
+        wait_until(lambda: support.version(r, 0) == v + 1, what="its merge")
+        assert evil.ingest_raw(current).status == session_pb2.ACK_STATUS_DUPLICATE
+        still_merges(c, r)
+    finally:
+        evil.close()
+
+
+def _s(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 # --- heartbeats ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("field", "value"),
@@ -521,6 +730,79 @@ def test_a_heartbeat_out_of_range_closes_only_its_own_session(
     c.heartbeat(step=3, step_time_ema_s=0.1, tokens_per_s=10.0, loss=1.0, eval_loss=float("nan"))
     still_merges(c, r)
     c.check()
+
+
+def session_statuses(
+    address: str, first: session_pb2.LearnerMessage, beat: session_pb2.Heartbeat, slot: str
+) -> list[session_pb2.JobStatus]:
+    """Say hello with `first`, send `beat` five times a second, and return the job statuses
+    the synchronizer answers the first ten with."""
+    done = threading.Event()
+
+    def requests() -> Iterator[session_pb2.LearnerMessage]:
+        yield first
+        for _ in range(10):
+            yield session_pb2.LearnerMessage(heartbeat=beat)
+            time.sleep(0.2)
+        done.wait(20)
+
+    statuses = []
+    with session_call(address) as session:
+        call = session(requests(), metadata=bearer(slot), timeout=20)
+        try:
+            for message in call:
+                if message.HasField("status"):
+                    statuses.append(message.status)
+                if len(statuses) == 10:
+                    break
+        finally:
+            call.cancel()
+            done.set()
+    return statuses
+
+
+def slot_steps(r: redis.Redis) -> dict[str, int]:
+    return inspect.slot_steps(r, "default")
+
+
+def test_a_step_count_of_2_to_the_53_cannot_spend_the_jobs_budget(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer(
+        "--fragments",
+        str(P),
+        "--grace-seconds",
+        "0",
+        "--learner-tokens-file",
+        str(tokens_file(tmp_path)),
+        "--job-steps",
+        "1000",
+        "--max-steps-per-s",
+        "20",
+    )
+    c = support.client([sync.address], "l0", token=TOKENS["l0"])
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c, P)
+        c.heartbeat(step=3, step_time_ema_s=0.1, tokens_per_s=10.0, loss=1.0, eval_loss=0.0)
+        wait_until(lambda: slot_steps(r).get("l0") == 3, what="l0's honest steps counted")
+        lie = session_pb2.Heartbeat(step=2**53, step_time_ema_s=0.1)
+        bound = 1.0  # steps evil may have counted so far: 20 a second of its sessions
+        for _ in range(2):  # a second session goes on from the count, not from its claim
+            started = time.monotonic()
+            statuses = session_statuses(sync.address, hello("evil", step=2**53), lie, "evil")
+            bound += 20 * (time.monotonic() - started)
+            assert len(statuses) == 10
+            assert not any(s.finish for s in statuses)
+            assert all(s.job_steps == 1000 and s.steps_done <= 3 + bound for s in statuses)
+            assert 0 < slot_steps(r)["evil"] <= bound
+            wait_until(lambda: r.zscore(support.KEYS.learners, "evil") is None, what="evil gone")
+        still_merges(c, r)
+        c.heartbeat(step=4, step_time_ema_s=0.1, tokens_per_s=10.0, loss=1.0, eval_loss=0.0)
+        wait_until(lambda: c.job_status is not None and c.job_status.steps_done >= 4)
+        assert not c.job_finished
+    finally:
+        c.close()
 
 
 # --- bounded work -------------------------------------------------------------------------
@@ -550,12 +832,78 @@ def test_a_hello_of_400k_leaves_is_refused_at_once(
     assert message.ByteSize() > 5_000_000
     assert len(leaves) > MAX_LEAVES
     started = time.monotonic()
-    assert session_refusal(sync.address, [message], bearer("l1")) == (
-        grpc.StatusCode.INVALID_ARGUMENT
-    )
+    with session_call(sync.address) as session, pytest.raises(grpc.RpcError) as refused:
+        list(session(iter([message]), metadata=bearer("l1"), timeout=20))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 100000: group small tensors into fewer" in (refused.value.details() or "")
     assert time.monotonic() - started < 5
     assert snapshot(r) == before
     still_merges(c, r)
+
+
+def test_concurrent_hellos_of_a_large_model_are_known_by_their_digest(
+    spawn_synchronizer: SpawnSynchronizer,
+) -> None:
+    # A model of 40,000 leaves. Its first hello is read leaf by leaf; then the same spec is
+    # known by the digest of its bytes: eight learners joining at once are answered at once,
+    # and the event loop keeps answering meanwhile. Specs of another size are refused
+    # without being read.
+    sync = spawn_synchronizer("--fragments", str(P), "--token", "shared-secret")
+    shared = (("authorization", "Bearer shared-secret"),)
+    leaves = [fragment_pb2.TensorSpec(name=f"layer/{i:06d}/w", shape=[2]) for i in range(40_000)]
+
+    def join(slot: str, params: list[fragment_pb2.TensorSpec]) -> float:
+        """Seconds to the welcome (raises the refusal)."""
+        started = time.monotonic()
+        done = threading.Event()
+
+        def requests() -> Iterator[session_pb2.LearnerMessage]:
+            yield hello(slot, params=params)
+            done.wait(60)
+
+        with session_call(sync.address) as session:
+            call = session(requests(), metadata=shared, timeout=60)
+            try:
+                assert next(iter(call)).HasField("welcome")
+                return time.monotonic() - started
+            finally:
+                done.set()
+                call.cancel()
+
+    join("first", leaves)
+    with grpc.insecure_channel(sync.address) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        latencies: list[float] = []
+        stop = threading.Event()
+
+        def probe() -> None:
+            while not stop.is_set():
+                started = time.monotonic()
+                check(health_pb2.HealthCheckRequest(), timeout=30)
+                latencies.append(time.monotonic() - started)
+                time.sleep(0.02)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                waits = list(pool.map(lambda i: join(f"x{i}", leaves), range(8)))
+                other = [*leaves, fragment_pb2.TensorSpec(name="extra", shape=[1])]
+                codes = list(pool.map(lambda i: refusal_of(lambda: join(f"y{i}", other)), range(8)))
+        finally:
+            stop.set()
+            prober.join()
+    assert max(waits) < 3.0, waits  # each once took 12 to 16 s on a 2-core machine
+    assert codes == [grpc.StatusCode.FAILED_PRECONDITION] * 8
+    assert max(latencies) < 1.0, max(latencies)  # each hello once took seconds of the loop
+
+
+def refusal_of(action: Any) -> grpc.StatusCode:
+    try:
+        action()
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
 
 
 def test_a_state_fetch_asking_every_fragment_many_times_is_refused(
@@ -831,7 +1179,6 @@ def test_fuzzed_request_messages_never_break_the_service(
         request_serializer=synchronizer_pb2.FetchStateRequest.SerializeToString,
         response_deserializer=fragment_pb2.GlobalFragmentChunk.FromString,
     )
-    session = session_call(sync.address)
     sent = [0]
 
     def answered(action: Any) -> None:
@@ -868,7 +1215,8 @@ def test_fuzzed_request_messages_never_break_the_service(
             answered(lambda: list(session(iter(messages), metadata=metadata, timeout=30)))
 
     try:
-        one()
+        with session_call(sync.address) as session:
+            one()
     finally:
         channel.close()
     assert sent[0] >= FUZZ_MESSAGES
@@ -939,14 +1287,18 @@ def test_radial_merging_refuses_norms_that_are_not_the_updates_own(
         sizes = [leaf.size for leaf in layout.leaves]
         starts = np.cumsum([0, *sizes])
         honest = [float(np.linalg.norm(decoded[a:b])) for a, b in itertools.pairwise(starts)]
-        chunks = support.chunks_for(0, segments, num_elements=layout.num_elements, seq=1, **INT8)
+        chunks = support.chunks_for(
+            0, segments, num_elements=layout.num_elements, seq=1, incarnation=c0.incarnation, **INT8
+        )
         before = snapshot(r)
         chunks[0].tensor_norms.extend([1e-40] * len(sizes))  # divides its values up to inf
         lied = c0.ingest_raw(chunks)
         assert lied.status == session_pb2.ACK_STATUS_REJECTED
         assert "not the norms" in lied.reason
         assert snapshot(r) == before
-        chunks = support.chunks_for(0, segments, num_elements=layout.num_elements, seq=2, **INT8)
+        chunks = support.chunks_for(
+            0, segments, num_elements=layout.num_elements, seq=2, incarnation=c0.incarnation, **INT8
+        )
         chunks[0].tensor_norms.extend(honest)
         assert c0.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
         wait_until(lambda: support.version(r, 0) == 1, what="the honest radial round")

@@ -185,12 +185,19 @@ def test_rounds_stop_waiting_for_a_finishing_learner_with_nothing_more_for_them(
             c.close()
 
 
-def _ones_for_fragment_1(seq: int) -> tuple[bytes, list[session_pb2.UpdateChunk]]:
-    """An int8 update of all ones for fragment 1 of 2, and its chunks with this seq."""
+def _ones_for_fragment_1(seq: int, incarnation: str) -> tuple[bytes, list[session_pb2.UpdateChunk]]:
+    """An int8 update of all ones for fragment 1 of 2 from l0's `incarnation`, and its
+    chunks with this seq."""
     n = support.layout(2).fragments[1].num_elements
     segments, _ = codecs.encode_segments(codecs.by_name("int8"), np.ones(n, np.float32), 256, 1024)
     chunks = support.chunks_for(
-        1, segments, codec=fragment_pb2.CODEC_INT8, block_size=256, num_elements=n, seq=seq
+        1,
+        segments,
+        codec=fragment_pb2.CODEC_INT8,
+        block_size=256,
+        num_elements=n,
+        seq=seq,
+        incarnation=incarnation,
     )
     return b"".join(s.data for s in segments), chunks
 
@@ -203,7 +210,7 @@ def test_a_retried_update_is_acknowledged_and_not_applied_twice(
     r = redis.Redis(port=redis_server.port)
     try:
         support.initialize(c, 2)
-        _, chunks = _ones_for_fragment_1(seq=500)
+        _, chunks = _ones_for_fragment_1(seq=500, incarnation=c.incarnation)
         assert c.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
         wait_until(lambda: support.version(r, 1) == 1)
         theta = support.value_name(r, 1)
@@ -211,7 +218,7 @@ def test_a_retried_update_is_acknowledged_and_not_applied_twice(
         time.sleep(0.5)
         assert support.version(r, 1) == 1
         assert support.value_name(r, 1) == theta
-        assert [e["uids"] for e in support.commit_log(r, 1)] == [["l0//500"]]
+        assert [e["uids"] for e in support.commit_log(r, 1)] == [[f"l0/{c.incarnation}/500"]]
         assert support.stats(r, 2)["updates_accepted"] == 1
         assert metric(sync.metrics_port, "atoll_updates_duplicate_total") == 1
     finally:
@@ -229,13 +236,13 @@ def test_a_retry_of_a_still_pending_update_keeps_it_and_it_merges_once(
     r = redis.Redis(port=redis_server.port)
     try:
         support.initialize(c0, 2)
-        _, chunks = _ones_for_fragment_1(seq=700)
+        _, chunks = _ones_for_fragment_1(seq=700, incarnation=c0.incarnation)
         assert c0.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
         assert c0.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
-        uid = "l0//700"
+        uid = f"l0/{c0.incarnation}/700"
         assert support.pending(r, 2) == [uid], "received once, pending once"
         # A retry with other bytes under the same seq is refused, and changes nothing.
-        _, other = _ones_for_fragment_1(seq=700)
+        _, other = _ones_for_fragment_1(seq=700, incarnation=c0.incarnation)
         other[-1].data = other[-1].data[:-1] + bytes([other[-1].data[-1] ^ 1])
         other = support.chunks_for(
             1,
@@ -244,6 +251,7 @@ def test_a_retry_of_a_still_pending_update_keeps_it_and_it_merges_once(
             block_size=256,
             num_elements=other[0].header.num_elements,
             seq=700,
+            incarnation=c0.incarnation,
         )
         refused = c0.ingest_raw(other)
         assert refused.status == session_pb2.ACK_STATUS_REJECTED
@@ -351,7 +359,10 @@ def test_each_bad_input_is_refused_with_a_reason_and_changes_nothing(
     for seq, (case, (build, words)) in enumerate(BAD_INPUTS.items(), start=100):
         reason = REASON.get(case, case)
         counted = metric(sync.metrics_port, f'atoll_updates_rejected_total{{reason="{reason}"}}')
-        ack = c.ingest_raw(build(seq))
+        chunks = build(seq)
+        for chunk in chunks:  # from l0's session, as a learner sends
+            chunk.incarnation = c.incarnation
+        ack = c.ingest_raw(chunks)
         assert ack.status == session_pb2.ACK_STATUS_REJECTED, case
         assert ack.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], case
         assert words in ack.reason, (case, ack.reason)

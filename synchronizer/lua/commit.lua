@@ -2,9 +2,10 @@
 -- the version the merge was computed from, so each round commits exactly once. The new value,
 -- optimizer state and delta were written to the tensor store first; this swings the pointer
 -- to them, marks the merged updates committed and keeps the fragment's counters.
--- KEYS: frag, owner, round, log, stats, seen_1..seen_n (one per merged update)
+-- KEYS: frag, owner, round, log, stats, seen_1..seen_n (the merged updates' slots' records)
 -- ARGV: replica, epoch, expected_version, value_name, state_name, delta_name, log_entry,
---       useful_seconds, tokens_merged, stale_folded, log_keep, n, (uid_i, seq_i) x n
+--       useful_seconds, tokens_merged, stale_folded, log_keep, n,
+--       (uid_i, seq_i, incarnation_i) x n
 local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
 -- Every number is checked before anything is written: a script stopped by an error half-way
 -- would leave its earlier writes in place.
@@ -21,10 +22,13 @@ redis.call('HSET', KEYS[1], 'version', v, 'committed_ms', now, 'value', ARGV[4],
   'state', ARGV[5], 'delta', ARGV[6])
 local n = tonumber(ARGV[12])
 for i = 1, n do
-  local uid, seq = ARGV[11 + 2 * i], ARGV[12 + 2 * i]
+  local uid, seq, incarnation = ARGV[10 + 3 * i], ARGV[11 + 3 * i], ARGV[12 + 3 * i]
   redis.call('HDEL', KEYS[3], uid)
-  local seen = redis.call('HGET', KEYS[5 + i], seq)
-  if seen then redis.call('HSET', KEYS[5 + i], seq, string.sub(seen, 1, -2) .. 'c') end
+  -- The slot's records may be a newer incarnation's by now: then this seq is not theirs.
+  if redis.call('HGET', KEYS[5 + i], 'incarnation') == incarnation then
+    local seen = redis.call('HGET', KEYS[5 + i], seq)
+    if seen then redis.call('HSET', KEYS[5 + i], seq, string.sub(seen, 1, -2) .. 'c') end
+  end
 end
 redis.call('HINCRBYFLOAT', KEYS[5], 'useful_seconds', ARGV[8])
 redis.call('HINCRBYFLOAT', KEYS[5], 'tokens_merged', ARGV[9])

@@ -3,29 +3,34 @@
 -- somewhere, or ended without saying so less than a lease ago), a second hello is refused,
 -- whatever its incarnation. While the job has no parameters, one learner at a time holds the
 -- claim to send them (for claim_ms), so the others wait for them instead of all uploading the
--- whole model.
--- KEYS: spec, learners, learner, ema, init_claim
+-- whole model. The slot's steps toward the job's budget restart from its hello's step, or
+-- stay where they were counted if that is lower (a restored learner's earlier checkpoint
+-- lowers them; a claim above what was counted only catches up as its heartbeats go on).
+-- KEYS: spec, learners, learner, ema, init_claim, slot_steps
 -- ARGV: spec_json, id, incarnation, ttl_ms, step, claim_ms, initialized (1/0)
--- Returns: status ('ok' | 'spec_mismatch' | 'busy'), previous incarnation, holds the claim
+-- Returns: status ('ok' | 'spec_mismatch' | 'busy'), previous incarnation, holds the claim,
+--          the slot's steps counted now
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local previous = redis.call('HGET', KEYS[3], 'incarnation') or ''
 local lease = redis.call('ZSCORE', KEYS[2], ARGV[2])
-if lease and tonumber(lease) > now then return {'busy', previous, 0} end
+if lease and tonumber(lease) > now then return {'busy', previous, 0, 0} end
 local stored = redis.call('GET', KEYS[1])
 if not stored then
   redis.call('SET', KEYS[1], ARGV[1])
   stored = ARGV[1]
 end
-if stored ~= ARGV[1] then return {'spec_mismatch', stored, 0} end
+if stored ~= ARGV[1] then return {'spec_mismatch', stored, 0, 0} end
 redis.call('HSET', KEYS[3], 'incarnation', ARGV[3], 'joined_ms', now, 'updated_ms', now,
   'step', ARGV[5])
 redis.call('HINCRBY', KEYS[3], 'joins', 1)
 redis.call('HDEL', KEYS[4], ARGV[2])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[2])
+local counted = math.min(tonumber(ARGV[5]), tonumber(redis.call('HGET', KEYS[6], ARGV[2]) or '0'))
+redis.call('HSET', KEYS[6], ARGV[2], string.format('%d', counted))
 local claimed = 0
 if ARGV[7] == '0' then
   redis.call('SET', KEYS[5], ARGV[2], 'NX', 'PX', tonumber(ARGV[6]))
   if redis.call('GET', KEYS[5]) == ARGV[2] then claimed = 1 end
 end
-return {'ok', previous, claimed}
+return {'ok', previous, claimed, string.format('%d', counted)}

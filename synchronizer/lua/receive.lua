@@ -1,17 +1,36 @@
 -- Record one update summed into its fragment's open round, exactly once per owner epoch.
 -- The owner has added the update to its accumulator already; on any status but 'received'
 -- it takes it out again.
+-- `seen` holds one learner slot's idempotency records on this fragment (seq -> 'epoch
+-- checksum state'), of one incarnation: the slot's newest to send here, with the generation
+-- of its hello (the slot's count of hellos). A newer incarnation's first update replaces
+-- them, so a slot has one such record set per fragment however often it restarts; an older
+-- incarnation is refused from then on, so no retry of its committed updates can find its
+-- records gone and be applied again. The caller passes the generation only after reading
+-- that this incarnation is the slot's current one; '' asks first.
 -- KEYS: frag, owner, round, seen, stats
--- ARGV: replica, epoch, uid, seq, checksum, base_version, max_staleness, record_json
+-- ARGV: replica, epoch, uid, seq, checksum, base_version, max_staleness, record_json,
+--       incarnation, generation ('': not looked up; 0: the slot never said hello), ttl_s
 -- Returns: {status, version}: received | duplicate (committed already) | again (received
 --   under this epoch already) | checksum (a retry with other bytes) | not_owner |
---   uninitialized | future | stale
+--   uninitialized | future | stale | new_incarnation (look the slot's incarnation up) |
+--   superseded (a newer incarnation of the slot sends here)
 local v = redis.call('HGET', KEYS[1], 'version')
 if redis.call('GET', KEYS[2]) ~= ARGV[1] .. ' ' .. ARGV[2] then
   return {'not_owner', tonumber(v or '0')}
 end
 if not v then return {'uninitialized', 0} end
 v = tonumber(v)
+local holder = redis.call('HGET', KEYS[4], 'incarnation')
+if holder ~= ARGV[9] then
+  if ARGV[10] == '' then return {'new_incarnation', v} end
+  local generation = tonumber(ARGV[10])
+  local held = tonumber(redis.call('HGET', KEYS[4], 'generation') or '-1')
+  -- A slot that never said hello (generation 0) has no order to keep: its newest replaces.
+  if holder and generation <= held and generation > 0 then return {'superseded', v} end
+  redis.call('DEL', KEYS[4])
+  redis.call('HSET', KEYS[4], 'incarnation', ARGV[9], 'generation', ARGV[10])
+end
 local seen = redis.call('HGET', KEYS[4], ARGV[4])
 if seen then
   local epoch, sum, state = string.match(seen, '^(%d+) (%S+) (%a)$')
@@ -24,6 +43,6 @@ if base > v then return {'future', v} end
 if v - base > tonumber(ARGV[7]) then return {'stale', v} end
 if not seen then redis.call('HINCRBY', KEYS[5], 'updates_accepted', 1) end
 redis.call('HSET', KEYS[4], ARGV[4], ARGV[2] .. ' ' .. ARGV[5] .. ' r')
-redis.call('EXPIRE', KEYS[4], 604800)
+redis.call('EXPIRE', KEYS[4], tonumber(ARGV[11]))
 redis.call('HSET', KEYS[3], ARGV[3], ARGV[8])
 return {'received', v}
