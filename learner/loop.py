@@ -98,6 +98,7 @@ class InnerLoop:
         self._last_checkpoint = -math.inf  # when it was taken (monotonic)
         self._checkpoint_cost: float | None = None  # how long the last one took to write
         self._position_saved = time.monotonic()
+        self._placed = False  # the loop knows its place (step, data position): saving it is safe
         self._progress_written = 0.0
         self.tx = workload.optimizer if workload.optimizer is not None else adamw(settings)
         devices = jax.devices()
@@ -147,6 +148,7 @@ class InnerLoop:
         restored = None
         if self.sync is not None and self.settings.checkpoint_every:
             restored = self.sync.restore(params)
+        self._placed = True
         if restored is None:
             opt_state = jax.device_put(self.tx.init(params), self.replicated)
             self._load_position()
@@ -378,9 +380,11 @@ class InnerLoop:
         )
 
     def save_position(self) -> None:
+        """Write where this slot stands; nothing before the loop has its place (an
+        incarnation stopped while joining must not overwrite the last one's with zeros)."""
         self._position_saved = time.monotonic()
         path = self._position_file()
-        if path is None:
+        if path is None or not self._placed:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -139,6 +139,7 @@ class SyncEngine:
                 settings.insecure, settings.tls_ca, settings.tls_cert, settings.tls_key
             ),
             max_backoff_s=settings.max_backoff_s,
+            give_up_s=settings.give_up_s,
             routes=parse_routes(settings.route),
         )
 
@@ -147,7 +148,7 @@ class SyncEngine:
         """Join the job and return its current global parameters, placed with `sharding`
         (default: JAX's default device). `initial`: this learner's initial parameters, or a
         function making them (called only if the job still needs or holds them)."""
-        welcome = self.client.connect()
+        welcome = self.client.connect(self.stop_requested)
         cfg = welcome.config
         self.mode, self.alpha = cfg.mode, cfg.merge_alpha
         self.fragments, self.inner_steps = cfg.fragments, cfg.inner_steps
@@ -420,9 +421,9 @@ class SyncEngine:
         if not self._refetch:
             return
         try:
-            fetched = self.client.fetch_state(sorted(self._refetch))
-        except grpc.RpcError as err:
-            log.info("refetch_deferred", fragments=sorted(self._refetch), error=str(err.code()))
+            fetched = self.client.fetch_state(sorted(self._refetch), retry=False)
+        except (grpc.RpcError, ValueError) as err:
+            log.info("refetch_deferred", fragments=sorted(self._refetch), error=str(err))
             return
         for g in fetched:
             self.outer.fragments[g.fragment].receive(g.values, g.version)
