@@ -96,7 +96,6 @@ class InnerLoop:
         self.loss = math.nan
         self.eval_loss = math.nan
         self._last_checkpoint = -math.inf  # when it was taken (monotonic)
-        self._checkpoint_cost: float | None = None  # how long the last one took to write
         self._position_saved = time.monotonic()
         self._placed = False  # the loop knows its place (step, data position): saving it is safe
         self._progress_written = 0.0
@@ -270,13 +269,12 @@ class InnerLoop:
         if not due or not self.sync.checkpoint_ready():
             return
         now = time.monotonic()
-        if self._checkpoint_cost is None and self._last_checkpoint > 0:
-            # The last one is written: it took this long. Checkpoints then come no more often
-            # than keeps their share of the loop's time within CHECKPOINT_SHARE.
-            self._checkpoint_cost = now - self._last_checkpoint
-        spacing = max(s.checkpoint_seconds, (self._checkpoint_cost or 0.0) / CHECKPOINT_SHARE)
+        # Checkpoints come no more often than keeps their share of the loop's time within
+        # CHECKPOINT_SHARE, by what the last one took to write, as the writer measured it (the
+        # time until the loop next looked was a whole step: one checkpoint per 33 steps).
+        spacing = max(s.checkpoint_seconds, self.sync.checkpoint_write_s / CHECKPOINT_SHARE)
         if now - self._last_checkpoint >= spacing:
-            self._last_checkpoint, self._checkpoint_cost = now, None
+            self._last_checkpoint = now
             meta = {
                 "step": self.step,
                 "tokens": self.tokens,

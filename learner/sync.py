@@ -123,6 +123,7 @@ class SyncEngine:
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-encode")
         self._encoding: list[Future[tuple[int, int, float]]] = []
         self._writing: Future[tuple[int, int, float]] | None = None  # the last checkpoint
+        self.checkpoint_write_s = 0.0  # how long the last checkpoint took to write
         self._slots: ckpt.Slots | None = None
         self._refetch: set[int] = set()
         self._sent: dict[int, dict[str, jax.Array]] = {}  # in flight: the leaves as sent
@@ -585,6 +586,9 @@ class SyncEngine:
 
         def finish_and_write() -> tuple[int, int, float]:
             host_params, host_opt = jax.device_get((flat, jax.tree.leaves(opt)))
+            # Timed from here: waiting for the copies is waiting for the step queued before
+            # them (the loop runs a step ahead), which is the loop's time, not the write's.
+            t0 = time.monotonic()
             snap = ckpt.Snapshot(
                 meta=meta,
                 params={k: np.asarray(v) for k, v in host_params.items()},
@@ -596,6 +600,7 @@ class SyncEngine:
                 in_flight = records[p]["awaiting_above"] is not None
                 ckpt.encoder_arrays(p, f, in_flight, snap.arrays)
             slots.write(snap)
+            self.checkpoint_write_s = time.monotonic() - t0
             return -1, -1, 0.0  # not an update: nothing to acknowledge
 
         self._writing = self._encoder.submit(finish_and_write)
