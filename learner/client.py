@@ -68,6 +68,9 @@ class _Outgoing:
     fragment: int
     chunks: list[session_pb2.UpdateChunk]
     received_epoch: int | None = None  # the owner epoch it was received under
+    received_at: str = ""  # the address of the owner that received it
+    retries: Iterator[float] | None = None  # delays between failed sends (backoff)
+    not_before: float = 0.0  # monotonic time of its next send after a failed one
 
 
 # What the session's stream sends: a message, or one already serialized.
@@ -420,6 +423,7 @@ class SynchronizerClient:
         if channel is None:
             channel = self._open_channel(address)
             self._owner_channels[address] = channel
+            self._watch(address, channel)
         return channel.stream_unary(
             f"/{SERVICE}/Ingest",
             request_serializer=counting_serializer(_serialize, self._count_up),
@@ -432,20 +436,53 @@ class SynchronizerClient:
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, self.credentials, options=options)
 
+    def _watch(self, address: str, channel: grpc.Channel) -> None:
+        """When the connection to an owner drops, the updates it had only received may have
+        died with its round (a killed replica, a lost lease): they are sent again at once,
+        without waiting for the session to bring the new owner map (which takes a lease when
+        the session's replica died too). An owner that still holds one answers `received`."""
+        connected = False
+
+        def changed(state: grpc.ChannelConnectivity) -> None:
+            nonlocal connected
+            if state == grpc.ChannelConnectivity.READY:
+                connected = True
+                return
+            if not connected:
+                return
+            connected = False
+            with self._lock:
+                for out in self._unacked.values():
+                    if out.received_at == address:
+                        out.received_epoch = None
+                self._lock.notify_all()
+
+        channel.subscribe(changed, try_to_connect=False)
+
     def _next_to_send(self) -> tuple[_Outgoing, session_pb2.FragmentOwner] | None:
-        """The oldest update that its fragment's current owner does not hold (under lock)."""
+        """The oldest update that its fragment's current owner may not hold and that is not
+        waiting out a failed send's backoff (under lock). One received under a later epoch
+        than the owner map's is held: the map is behind."""
+        now = time.monotonic()
         for seq in sorted(self._unacked):
             out = self._unacked[seq]
             owner = self.owners.get(out.fragment)
-            if owner is None or seq in self._sending:
+            if owner is None or seq in self._sending or out.not_before > now:
                 continue
-            if out.received_epoch is None or out.received_epoch != owner.epoch:
+            if out.received_epoch is None or out.received_epoch < owner.epoch:
                 return out, owner
         return None
 
+    def _failed(self, out: _Outgoing) -> None:
+        """A send of `out` failed: it waits its next backoff delay (under lock). The delay is
+        the update's own, so the ingest threads do not take turns retrying it at once."""
+        if out.retries is None:
+            out.retries = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
+        out.not_before = time.monotonic() + next(out.retries)
+        self._sending.discard(out.seq)
+
     def _ingest(self) -> None:
         self._bind_log_context()
-        delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
         while not self._closed.is_set():
             with self._lock:
                 picked = self._next_to_send()
@@ -458,18 +495,16 @@ class SynchronizerClient:
             try:
                 ack = call(iter(out.chunks), timeout=INGEST_TIMEOUT_S, metadata=self._metadata)
             except grpc.RpcError as err:
-                with self._lock:
-                    self._sending.discard(out.seq)
-                code = err.code() if hasattr(err, "code") else None
+                # The owner map will move (a new owner) or the owner comes back: again later.
                 log.info(
                     "ingest_retry",
                     fragment=out.fragment,
                     seq=out.seq,
                     owner=owner.replica,
-                    code=str(code),
+                    code=str(status(err)),
                 )
-                # The owner map will move (a new owner) or the owner comes back: wait a bit.
-                self._closed.wait(next(delays))
+                with self._lock:
+                    self._failed(out)
                 continue
             if (
                 ack.status == session_pb2.ACK_STATUS_REJECTED
@@ -478,17 +513,17 @@ class SynchronizerClient:
                 # The owner could not take it for now (its store is away): again later.
                 log.info("ingest_unavailable", seq=out.seq, reason=ack.reason)
                 with self._lock:
-                    self._sending.discard(out.seq)
-                self._closed.wait(next(delays))
+                    self._failed(out)
                 continue
-            delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
             with self._lock:
                 self._sending.discard(out.seq)
+                out.retries, out.not_before = None, 0.0
                 if ack.status == session_pb2.ACK_STATUS_RECEIVED:
                     self.stats.received += 1
                     current = self._unacked.get(out.seq)
                     if current is not None:
                         current.received_epoch = ack.epoch
+                        current.received_at = self.routes.get(owner.address, owner.address)
                         self._lock.notify_all()
                 else:
                     self._finish(ack)
