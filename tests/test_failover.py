@@ -15,6 +15,7 @@ from cluster.metrics import free_port
 from cluster.redis_server import RedisServer
 from learner.client import SessionError, SynchronizerClient
 from services.gen.atoll.v1 import session_pb2
+from synchronizer import inspect
 from tests import support
 from tests.conftest import SpawnSynchronizer
 
@@ -149,3 +150,14 @@ def test_a_learner_waits_for_the_synchronizer_tier_however_long_it_is_away(
     threading.Timer(1.0, stop.set).start()
     with pytest.raises(SessionError, match="stopped"):
         stopping.connect(stop)
+
+
+def test_updates_whose_round_died_with_its_owner_are_found(redis_server: RedisServer) -> None:
+    # What `atoll up`'s report reads to tell an update dropped with its round (received
+    # under an owner epoch that has ended, never received again) from one lost.
+    r = redis.Redis(port=redis_server.port)
+    keys = support.KEYS
+    r.set(keys.epoch(0), 3)
+    r.hset(keys.seen(0, "l:0", "inc"), mapping={"1": "2 c1 r", "2": "3 c2 r", "3": "1 c3 c"})
+    r.hset(keys.seen(1, "l1", "inc"), mapping={"1": "1 c4 r"})  # fragment 1: epoch 0
+    assert inspect.dropped(r, "default", 2) == ["l:0/inc/1"]
