@@ -1,7 +1,10 @@
 """`atoll check TAPE`: the run's invariants and goodput, from its tape alone.
 
 - no acknowledged update lost: every update a synchronizer accepted (or a learner saw
-  acknowledged as accepted) entered exactly one commit, unless the run ended with it pending;
+  acknowledged as accepted) entered exactly one commit, unless the run ended with it pending,
+  or its round died with its owner (the fragment was owned anew after it was received) and
+  its learner incarnation died before sending it again (`dropped_with_sender`: a learner keeps
+  an update until it is committed, no longer than it lives);
 - none applied twice: no update id in two commits;
 - each fragment's versions consecutive from 1, each round committed once (two commits of
   one version with different updates is a split brain);
@@ -21,7 +24,7 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import CliPositionalArg
 
-from cluster.report import Invariants
+from cluster.report import Invariants, dropped_with_sender
 from services import goodput as gp
 from services import tape
 from services.config import AtollSettings
@@ -54,11 +57,27 @@ def check_tape(events: Sequence[dict[str, Any]]) -> Invariants:
         str(e["uid"]) for e in events if e["kind"] == "acked" and e.get("status") == "accepted"
     }
     pending = {str(u) for e in events if e["kind"] == "run_ended" for u in e.get("pending", [])}
-    lost = sorted(acknowledged - set(counts) - pending)
+    unmerged = acknowledged - set(counts) - pending
+    finished = {str(e.get("incarnation")) for e in events if e["kind"] == "finished"}
+    dropped = set(dropped_with_sender(_dropped(events, unmerged), finished))
+    lost = sorted(unmerged - dropped)
     if lost:
         problems.append(f"{len(lost)} acknowledged updates were never merged (first: {lost[0]})")
     problems += _final_models(events, gp.commits(events))
-    return Invariants(not problems, len(lost), double, problems)
+    return Invariants(not problems, len(lost), double, problems, len(dropped))
+
+
+def _dropped(events: Sequence[dict[str, Any]], uids: set[str]) -> list[str]:
+    """Of `uids`, those whose fragment was owned anew after they were last received: their
+    round died with its owner's epoch."""
+    received: dict[str, tuple[float, int]] = {}
+    owned: dict[int, float] = {}  # fragment -> when it was last owned anew
+    for e in events:
+        if e["kind"] == "accepted" and str(e["uid"]) in uids and "fragment" in e:
+            received[str(e["uid"])] = (float(e["t"]), int(e["fragment"]))
+        elif e["kind"] == "owned":
+            owned[int(e["fragment"])] = float(e["t"])
+    return sorted(uid for uid, (t, p) in received.items() if owned.get(p, -1.0) > t)
 
 
 def _final_models(
@@ -102,6 +121,7 @@ def summarize(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "ok": inv.ok,
             "lost_updates": inv.lost_updates,
             "double_applied": inv.double_applied,
+            "dropped_with_sender": inv.dropped_with_sender,
             "problems": inv.problems,
         },
     }

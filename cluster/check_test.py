@@ -62,3 +62,21 @@ def test_a_learner_ending_off_the_global_model_is_found() -> None:
     stale = {"t": 4.0, "who": "l0", "kind": "finished", "checksums": [11]}
     inv = check_tape(_run(replace={6: stale}))
     assert inv.problems == ["learner l0 does not hold the final global model"]
+
+
+def test_an_update_dropped_with_its_round_and_its_sender_is_not_lost() -> None:
+    # l1's update is received by s0, which dies before merging it: s1 owns the fragment anew.
+    # l1's incarnation is killed before it can send it again: both copies are gone, which the
+    # protocol allows (a learner keeps an update until it is committed, not beyond its life).
+    received = {"t": 1.3, "who": "s0", "kind": "accepted", "uid": "l1/a/1", "fragment": 0}
+    owned = {"t": 1.5, "who": "s1", "kind": "owned", "fragment": 0, "epoch": 2}
+    inv = check_tape(_run(add=[received, owned]))
+    assert inv.ok, inv.problems
+    assert inv.dropped_with_sender == 1
+    # The same, but its incarnation lived to finish: it should have sent it again.
+    finished = {"t": 4.5, "who": "l1", "kind": "finished", "incarnation": "a", "checksums": [22]}
+    inv = check_tape(_run(add=[received, owned, finished]))
+    assert inv.lost_updates == 1
+    # Received again after the new owner took the fragment, and never merged: lost.
+    again = {"t": 1.6, "who": "s1", "kind": "accepted", "uid": "l1/a/1", "fragment": 0}
+    assert check_tape(_run(add=[received, owned, again])).lost_updates == 1

@@ -23,6 +23,18 @@ class Invariants:
     lost_updates: int
     double_applied: int
     problems: list[str] = field(default_factory=list)
+    # Received (never committed) updates whose round died with its owner and whose learner
+    # incarnation died too before sending them again: the protocol's two copies both gone.
+    # Not a broken promise (a learner keeps an update until it is committed, no longer than
+    # it lives); counted so a soak shows how often it happens.
+    dropped_with_sender: int = 0
+
+
+def dropped_with_sender(dropped: Sequence[str], finished: set[str]) -> list[str]:
+    """Of the uids `dropped` with their round (received under an owner epoch that has since
+    ended, never received again), those whose incarnation never finished: it died before it
+    could send them again. One whose incarnation finished was lost by the protocol."""
+    return [uid for uid in dropped if uid.rsplit("/", 2)[1] not in finished]
 
 
 def check_invariants(
@@ -32,16 +44,18 @@ def check_invariants(
     pending: int,
     learner_checksums: dict[str, Sequence[int]] | None = None,
     global_checksums: Sequence[int] | None = None,
+    dropped: int = 0,
 ) -> Invariants:
     """No acknowledged update lost, none applied twice, versions consecutive, one commit per
-    round, and every live learner equal to the global model at the end."""
+    round, and every live learner equal to the global model at the end. `dropped`: updates
+    that died with both their round and their sender (`dropped_with_sender`)."""
     problems: list[str] = []
     merged = [uid for log in commit_logs for entry in log for uid in entry["uids"]]
     counts = Counter(merged)
     double = sum(n - 1 for n in counts.values() if n > 1)
     if double:
         problems.append(f"{double} updates were applied more than once")
-    lost = max(0, accepted - len(counts) - pending)
+    lost = max(0, accepted - len(counts) - pending - dropped)
     if lost:
         problems.append(f"{lost} acknowledged updates were never merged")
     for p, log in enumerate(commit_logs):
@@ -52,7 +66,7 @@ def check_invariants(
         for learner, sums in learner_checksums.items():
             if list(sums) != list(global_checksums):
                 problems.append(f"learner {learner} does not hold the final global model")
-    return Invariants(not problems, lost, double, problems)
+    return Invariants(not problems, lost, double, problems, dropped)
 
 
 def merged_by_incarnation(
@@ -175,6 +189,7 @@ def build_report(
             "ok": invariants.ok,
             "lost_updates": invariants.lost_updates,
             "double_applied": invariants.double_applied,
+            "dropped_with_sender": invariants.dropped_with_sender,
             "problems": invariants.problems,
         },
         "commits": [

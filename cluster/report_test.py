@@ -4,7 +4,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cluster.report import combine_incarnations, read_summaries
+from cluster.report import (
+    check_invariants,
+    combine_incarnations,
+    dropped_with_sender,
+    read_summaries,
+)
 
 
 def _summary(
@@ -39,3 +44,16 @@ def test_read_summaries_orders_incarnations_by_launch(tmp_path: Path) -> None:
     (summary,) = read_summaries(tmp_path)
     assert summary["steps"] == 90
     assert summary["loss"]["initial"] == 1.0
+
+
+def test_updates_dropped_with_their_round_and_their_sender_are_not_lost() -> None:
+    log = [[{"version": 1, "uids": ["l0/a/1"]}]]
+    assert not check_invariants(log, [1], accepted=3, pending=0).ok
+    # l1's incarnation b died before re-sending what its dead round held; l2's c finished,
+    # so its dropped update is a loss all the same.
+    dropped = dropped_with_sender(["l1/b/1", "l2/c/4"], finished={"a", "c"})
+    assert dropped == ["l1/b/1"]
+    inv = check_invariants(log, [1], accepted=3, pending=0, dropped=len(dropped))
+    assert (inv.ok, inv.lost_updates, inv.dropped_with_sender) == (False, 1, 1)
+    inv = check_invariants(log, [1], accepted=2, pending=0, dropped=1)
+    assert inv.ok, inv.problems

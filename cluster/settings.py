@@ -108,8 +108,9 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
     chaos: str = Field(
         "",
         description="faults to inject, 'KIND:key=value,...;...' with KIND learner-kill (mtbf, "
-        "down), learner-pause (mtbf, for), synchronizer-kill (mtbf, down) or redis-restart "
-        "(mtbf); mtbf is cluster-wide, at=20s+40s places faults at fixed times, victim=N pins "
-        "the victim; times count from the first inner step; the schedule follows --seed. "
-        "Example: 'learner-kill:mtbf=30s,down=5s'",
+        "down), learner-pause (mtbf, for), synchronizer-kill (mtbf, down), redis-restart "
+        "(mtbf), net-latency (mtbf, for, delay), net-bandwidth (mtbf, for, rate), net-reset "
+        "(mtbf) or net-partition (mtbf, for); mtbf is cluster-wide, at=20s+40s places faults "
+        "at fixed times, victim=N pins the victim; times count from the first inner step; the "
+        "schedule follows --seed. Example: 'learner-kill:mtbf=30s,down=5s;net-reset:mtbf=60s'",
     )

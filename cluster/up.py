@@ -38,7 +38,13 @@ from cluster.processes import (
     synchronizer_child,
 )
 from cluster.redis_server import RedisServer
-from cluster.report import build_report, check_invariants, merged_by_incarnation, read_summaries
+from cluster.report import (
+    build_report,
+    check_invariants,
+    dropped_with_sender,
+    merged_by_incarnation,
+    read_summaries,
+)
 from cluster.scale import ScaleEvent, parse_scale, slots_ever
 from cluster.settings import UpSettings
 from cluster.view import ClusterState, LiveView, read_state
@@ -527,6 +533,12 @@ class LocalCluster:
                 if s["learner"] not in self.slot_ended
             },
             global_checksums=global_sums,
+            dropped=len(
+                dropped_with_sender(
+                    inspect.dropped(r, self.s.job, self.s.fragments),
+                    {s["incarnation"] for s in summaries},
+                )
+            ),
         )
         evals = [s["eval_loss"] for s in summaries if s["eval_loss"] is not None]
         # A slot that ended dead wrote no summary: count its steps as the synchronizer last

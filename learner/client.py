@@ -5,7 +5,9 @@ fragments as numpy arrays, and keeps the session alive. Two paths:
 - the control session, with any synchronizer replica: hello, heartbeats; welcome, the owner
   map, commit notices, new global fragments, the job's status. When it breaks it reconnects
   (exponential backoff with jitter, over every address it was given) for as long as the
-  learner lives, and fetches the fragments whose version moved while it was away;
+  learner lives, and fetches the fragments whose version moved while it was away. It never
+  gives up on the synchronizer tier unless told to (`give_up_s`): the learner keeps training
+  from what it holds meanwhile;
 - ingest: each update goes, chunk by chunk, to the replica that owns its fragment (an Ingest
   call). An update is kept until its owner says it is committed; if the owner changes first
   (its epoch moves), it is sent again to the new owner, which deduplicates it.
@@ -43,10 +45,12 @@ log = structlog.get_logger("atoll.learner.client")
 INGEST_TIMEOUT_S = 120.0
 NO_OWNER_WAIT_S = 0.2
 INGEST_CALLS = 4  # updates on their way to owners at once (each its own Ingest call)
+WAITING_LOG_S = 30.0  # how often a learner waiting for its first session says so
 
 
 class SessionError(RuntimeError):
-    """The synchronizer refused the session for a reason retrying will not fix."""
+    """The synchronizer refused the session for a reason retrying will not fix, or no
+    synchronizer answered for longer than the learner was told to wait (`give_up_s`)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,9 @@ class _Outgoing:
     fragment: int
     chunks: list[session_pb2.UpdateChunk]
     received_epoch: int | None = None  # the owner epoch it was received under
+    received_at: str = ""  # the address of the owner that received it
+    retries: Iterator[float] | None = None  # delays between failed sends (backoff)
+    not_before: float = 0.0  # monotonic time of its next send after a failed one
 
 
 # What the session's stream sends: a message, or one already serialized.
@@ -101,6 +108,24 @@ _FATAL = {
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.ABORTED,
 }
+
+
+def status(err: BaseException) -> grpc.StatusCode | None:
+    """A failed gRPC call's status code (None for any other error)."""
+    code = getattr(err, "code", None) if isinstance(err, grpc.RpcError) else None
+    return code() if callable(code) else None
+
+
+def retryable(err: BaseException) -> bool:
+    """Whether a failed call may succeed when tried again: any failure but a refusal (a
+    call on a channel the session just replaced raises ValueError; so does a value that
+    arrived garbled)."""
+    return status(err) not in _FATAL
+
+
+def describe(err: BaseException) -> str:
+    code = status(err)
+    return str(code) if code is not None else str(err)
 
 
 def segments_of(payload: bytes | Sequence[Segment], codec: int, n: int) -> list[Segment]:
@@ -164,13 +189,14 @@ class SynchronizerClient:
         token: str = "",
         credentials: grpc.ChannelCredentials | None = None,
         max_backoff_s: float = 5.0,
-        connect_timeout_s: float = 30.0,
+        give_up_s: float = 0.0,
         routes: Mapping[str, str] | None = None,
         version_notices: bool = False,
     ) -> None:
         """`credentials`: TLS (services.tls.learner_credentials); None: plaintext. `token`
         goes with every call as `authorization: Bearer` (per-slot or the job's). `routes`:
-        advertised owner address -> the address this learner reaches it at.
+        advertised owner address -> the address this learner reaches it at. `give_up_s`:
+        raise SessionError once no synchronizer has answered for this long (0: never).
         `version_notices`: the session is told new versions (into `notices`) instead of being
         sent their values (a learner of several processes fetches its ranges itself)."""
         if not addresses:
@@ -185,7 +211,8 @@ class SynchronizerClient:
             (("authorization", f"Bearer {token}"),) if token else ()
         )
         self.max_backoff_s = max_backoff_s
-        self.connect_timeout_s = connect_timeout_s
+        self.give_up_s = give_up_s
+        self._away_since: float | None = time.monotonic()  # no session since then
         self.stats = ClientStats()
         self.welcome: session_pb2.Welcome | None = None
         self.job_status: session_pb2.JobStatus | None = None  # newest, when the job has a budget
@@ -213,21 +240,29 @@ class SynchronizerClient:
         self._sending: set[int] = set()  # seqs on an Ingest call now
 
     # --- lifecycle ----------------------------------------------------------------------
-    def connect(self) -> session_pb2.Welcome:
-        """Open the session (in the background, reconnecting as needed); return the welcome."""
+    def connect(self, stop: threading.Event | None = None) -> session_pb2.Welcome:
+        """Open the session (in the background, reconnecting as needed); return the welcome.
+        Waits for as long as no synchronizer answers (or until `give_up_s`, or `stop`)."""
         self._thread = threading.Thread(target=self._run, name="atoll-session", daemon=True)
         self._thread.start()
         self._start_ingest()
-        if not self._connected.wait(self.connect_timeout_s):
+        said = time.monotonic()
+        while not self._connected.wait(0.5):
+            try:
+                self.check()
+                if stop is not None and stop.is_set():
+                    raise SessionError("stopped before any synchronizer answered")
+            except SessionError:
+                self.close()
+                raise
+            if time.monotonic() - said >= WAITING_LOG_S:
+                said = time.monotonic()
+                log.warning("no_synchronizer_yet", addresses=self.addresses)
+        try:
+            self.check()
+        except SessionError:
             self.close()
-            if self._fatal is not None:
-                raise self._fatal
-            raise SessionError(
-                f"no synchronizer answered within {self.connect_timeout_s:.0f} s at "
-                f"{', '.join(self.addresses)}; check the addresses and that one is running"
-            )
-        if self._fatal is not None:
-            raise self._fatal
+            raise
         assert self.welcome is not None
         return self.welcome
 
@@ -275,9 +310,17 @@ class SynchronizerClient:
             channel.close()
 
     def check(self) -> None:
-        """Raise the session's fatal error, if the synchronizer refused it."""
+        """Raise the session's fatal error, if the synchronizer refused it, or SessionError
+        once no synchronizer has answered for `give_up_s` (when one is set)."""
         if self._fatal is not None:
             raise self._fatal
+        away = self._away_since
+        if self.give_up_s > 0 and away is not None and time.monotonic() - away > self.give_up_s:
+            raise SessionError(
+                f"no synchronizer answered for {self.give_up_s:.0f} s at "
+                f"{', '.join(self.addresses)}; check the addresses and that one is running "
+                "(--give-up-s 0 retries for as long as the learner lives)"
+            )
 
     # --- sending ------------------------------------------------------------------------
     def send_update(
@@ -463,6 +506,7 @@ class SynchronizerClient:
         if channel is None:
             channel = self._open_channel(address)
             self._owner_channels[address] = channel
+            self._watch(address, channel)
         return channel.stream_unary(
             f"/{SERVICE}/Ingest",
             request_serializer=counting_serializer(_serialize, self._count_up),
@@ -475,20 +519,58 @@ class SynchronizerClient:
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, self.credentials, options=options)
 
+    def _watch(self, address: str, channel: grpc.Channel) -> None:
+        """When the connection to an owner drops, the updates it had only received may have
+        died with its round (a killed replica, a lost lease): they are sent again at once,
+        without waiting for the session to bring the new owner map (which takes a lease when
+        the session's replica died too). An owner that still holds one answers `received`."""
+        connected = False
+
+        def changed(state: grpc.ChannelConnectivity) -> None:
+            nonlocal connected
+            if state == grpc.ChannelConnectivity.READY:
+                connected = True
+                return
+            if not connected:
+                return
+            connected = False
+            with self._lock:
+                for out in self._unacked.values():
+                    if out.received_at == address:
+                        out.received_epoch = None
+                self._lock.notify_all()
+
+        channel.subscribe(changed, try_to_connect=False)
+
     def _next_to_send(self) -> tuple[_Outgoing, session_pb2.FragmentOwner] | None:
-        """The oldest update that its fragment's current owner does not hold (under lock)."""
+        """The oldest update that its fragment's current owner may not hold and that is not
+        waiting out a failed send's backoff (under lock). One received under a later epoch
+        than the owner map's is held: the map is behind."""
+        now = time.monotonic()
         for seq in sorted(self._unacked):
             out = self._unacked[seq]
             owner = self.owners.get(out.fragment)
-            if owner is None or seq in self._sending or not out.chunks:  # others send it
+            if (
+                owner is None
+                or seq in self._sending
+                or not out.chunks  # others send it
+                or out.not_before > now
+            ):
                 continue
-            if out.received_epoch is None or out.received_epoch != owner.epoch:
+            if out.received_epoch is None or out.received_epoch < owner.epoch:
                 return out, owner
         return None
 
+    def _failed(self, out: _Outgoing) -> None:
+        """A send of `out` failed: it waits its next backoff delay (under lock). The delay is
+        the update's own, so the ingest threads do not take turns retrying it at once."""
+        if out.retries is None:
+            out.retries = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
+        out.not_before = time.monotonic() + next(out.retries)
+        self._sending.discard(out.seq)
+
     def _ingest(self) -> None:
         self._bind_log_context()
-        delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
         while not self._closed.is_set():
             with self._lock:
                 picked = self._next_to_send()
@@ -501,18 +583,16 @@ class SynchronizerClient:
             try:
                 ack = call(iter(out.chunks), timeout=INGEST_TIMEOUT_S, metadata=self._metadata)
             except grpc.RpcError as err:
-                with self._lock:
-                    self._sending.discard(out.seq)
-                code = err.code() if hasattr(err, "code") else None
+                # The owner map will move (a new owner) or the owner comes back: again later.
                 log.info(
                     "ingest_retry",
                     fragment=out.fragment,
                     seq=out.seq,
                     owner=owner.replica,
-                    code=str(code),
+                    code=str(status(err)),
                 )
-                # The owner map will move (a new owner) or the owner comes back: wait a bit.
-                self._closed.wait(next(delays))
+                with self._lock:
+                    self._failed(out)
                 continue
             if (
                 ack.status == session_pb2.ACK_STATUS_REJECTED
@@ -521,29 +601,47 @@ class SynchronizerClient:
                 # The owner could not take it for now (its store is away): again later.
                 log.info("ingest_unavailable", seq=out.seq, reason=ack.reason)
                 with self._lock:
-                    self._sending.discard(out.seq)
-                self._closed.wait(next(delays))
+                    self._failed(out)
                 continue
-            delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
             with self._lock:
                 self._sending.discard(out.seq)
+                out.retries, out.not_before = None, 0.0
                 if ack.status == session_pb2.ACK_STATUS_RECEIVED:
                     self.stats.received += 1
                     current = self._unacked.get(out.seq)
                     if current is not None:
                         current.received_epoch = ack.epoch
+                        current.received_at = self.routes.get(owner.address, owner.address)
                         self._lock.notify_all()
                 else:
                     self._finish(ack)
 
     # --- fetching -----------------------------------------------------------------------
     def fetch_state(
-        self, fragments: Sequence[int] = (), held: Mapping[int, np.ndarray] | None = None
+        self,
+        fragments: Sequence[int] = (),
+        held: Mapping[int, np.ndarray] | None = None,
+        *,
+        retry: bool = True,
     ) -> list[GlobalFragment]:
         """The current global value of `fragments` (all if empty), over the unary stream;
         the caller adopts them (they count as known). A fragment in `held` whose current value
-        is that array (same checksum) is not sent again: the held array comes back instead."""
-        out = self._fetch(fragments, held or {})
+        is that array (same checksum) is not sent again: the held array comes back instead.
+        A failure a retry may cure (no replica answers, the session moved to another one) is
+        retried with backoff, as the session is (until `give_up_s`, if set); `retry=False`
+        tries once and raises grpc.RpcError or ValueError. A refusal always raises."""
+        delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
+        while True:
+            try:
+                out = self._fetch(fragments, held or {})
+                break
+            except (grpc.RpcError, ValueError) as err:
+                if not retry or not retryable(err):
+                    raise
+                log.info("fetch_retry", error=describe(err))
+            if self._closed.wait(next(delays)):
+                raise SessionError("the session was closed while fetching the global model")
+            self.check()
         for g in out:
             self.known_versions[g.fragment] = max(
                 self.known_versions.get(g.fragment, -1), g.version
@@ -640,8 +738,12 @@ class SynchronizerClient:
                     log.error("session_refused", code=str(code), details=details)
                     return
                 log.info("session_broken", address=address, code=str(code), details=details)
+            except ValueError as err:  # a garbled value while catching up: start over
+                log.warning("session_broken", address=address, error=str(err))
             finally:
                 self._connected.clear()
+                if self._away_since is None:
+                    self._away_since = time.monotonic()
             if self._closed.is_set():
                 return
             first = False
@@ -717,8 +819,9 @@ class SynchronizerClient:
                 for p in moved:
                     self._notice(p, welcome.versions[p])
             elif moved and welcome.initialized:
-                for g in self.fetch_state(moved):
+                for g in self.fetch_state(moved, retry=False):
                     self.fragments.put(g)
+        self._away_since = None
         self._connected.set()
 
     @property

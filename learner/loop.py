@@ -94,8 +94,8 @@ class InnerLoop:
         self.loss = math.nan
         self.eval_loss = math.nan
         self._last_checkpoint = -math.inf  # when it was taken (monotonic)
-        self._checkpoint_cost: float | None = None  # how long the last one took to write
         self._position_saved = time.monotonic()
+        self._placed = False  # the loop knows its place (step, data position): saving it is safe
         self._progress_written = 0.0
         self.tx = workload.optimizer if workload.optimizer is not None else adamw(settings)
         mesh = meshes.learner_mesh()
@@ -153,6 +153,7 @@ class InnerLoop:
         restored = None
         if self.sync is not None and self.settings.checkpoint_every:
             restored = self.sync.restore(params)
+        self._placed = True
         if restored is None:
             opt_state = self._init_opt(params)
             self._load_position()
@@ -272,13 +273,12 @@ class InnerLoop:
         if not due or not self.sync.checkpoint_ready():
             return
         now = time.monotonic()
-        if self._checkpoint_cost is None and self._last_checkpoint > 0:
-            # The last one is written: it took this long. Checkpoints then come no more often
-            # than keeps their share of the loop's time within CHECKPOINT_SHARE.
-            self._checkpoint_cost = now - self._last_checkpoint
-        spacing = max(s.checkpoint_seconds, (self._checkpoint_cost or 0.0) / CHECKPOINT_SHARE)
+        # Checkpoints come no more often than keeps their share of the loop's time within
+        # CHECKPOINT_SHARE, by what the last one took to write, as the writer measured it (the
+        # time until the loop next looked was a whole step: one checkpoint per 33 steps).
+        spacing = max(s.checkpoint_seconds, self.sync.checkpoint_write_s / CHECKPOINT_SHARE)
         if now - self._last_checkpoint >= spacing:
-            self._last_checkpoint, self._checkpoint_cost = now, None
+            self._last_checkpoint = now
             meta = {
                 "step": self.step,
                 "tokens": self.tokens,
@@ -392,9 +392,11 @@ class InnerLoop:
         )
 
     def save_position(self) -> None:
+        """Write where this slot stands; nothing before the loop has its place (an
+        incarnation stopped while joining must not overwrite the last one's with zeros)."""
         self._position_saved = time.monotonic()
         path = self._position_file()
-        if path is None:
+        if path is None or not self._placed:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -98,6 +98,9 @@ def train(settings: LearnerSettings, joined: Group) -> None:
     try:
         summary = learner.run()
     except SessionError as err:  # its message says what to do; a traceback would bury it
+        if learner.stop_requested.is_set():  # told to stop before it could join: not a failure
+            log.info("stopped_before_joining", reason=str(err))
+            return
         print(f"atoll learner: {err}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:

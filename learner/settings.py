@@ -138,6 +138,13 @@ class LearnerSettings(ModelConfig, AtollSettings):
         "--metrics` turns it off and exports each slot's time itself, dead time included",
     )
     max_backoff_s: float = Field(5.0, gt=0.0, description="cap of the reconnect backoff")
+    give_up_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="exit (status 1) once no synchronizer has answered for this many seconds, "
+        "at start or later; 0 (the default): never give up on the synchronizer tier: keep "
+        "training from what this learner holds and retry with backoff for as long as it lives",
+    )
     report: Path | None = Field(None, description="write this learner's summary JSON here")
     log_every: int = Field(10, ge=1, description="steps between loss points in the summary")
     standalone: bool = Field(

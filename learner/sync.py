@@ -126,6 +126,7 @@ class SyncEngine:
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-encode")
         self._encoding: list[Future[tuple[int, int, float]]] = []
         self._writing: Future[tuple[int, int, float]] | None = None  # the last checkpoint
+        self.checkpoint_write_s = 0.0  # how long the last checkpoint took to write
         self._slots: ckpt.Slots | None = None
         self._refetch: set[int] = set()
         self._sent: dict[int, dict[str, jax.Array]] = {}  # in flight: the leaves as sent
@@ -145,6 +146,7 @@ class SyncEngine:
                 settings.insecure, settings.tls_ca, settings.tls_cert, settings.tls_key
             ),
             max_backoff_s=settings.max_backoff_s,
+            give_up_s=settings.give_up_s,
             routes=parse_routes(settings.route),
         )
 
@@ -154,7 +156,7 @@ class SyncEngine:
         (one for every leaf, or a pytree of them; default: JAX's default device).
         `initial`: this learner's initial parameters, or a function making them (called
         only if the job still needs or holds them)."""
-        welcome = self.client.connect()
+        welcome = self.client.connect(self.stop_requested)
         cfg = welcome.config
         self.mode, self.alpha = cfg.mode, cfg.merge_alpha
         self.fragments, self.inner_steps = cfg.fragments, cfg.inner_steps
@@ -469,9 +471,9 @@ class SyncEngine:
         if not self._refetch:
             return
         try:
-            fetched = self.client.fetch_state(sorted(self._refetch))
-        except grpc.RpcError as err:
-            log.info("refetch_deferred", fragments=sorted(self._refetch), error=str(err.code()))
+            fetched = self.client.fetch_state(sorted(self._refetch), retry=False)
+        except (grpc.RpcError, ValueError) as err:
+            log.info("refetch_deferred", fragments=sorted(self._refetch), error=str(err))
             return
         for g in fetched:
             self.outer.fragments[g.fragment].receive(g.values, g.version)
@@ -637,6 +639,9 @@ class SyncEngine:
 
         def finish_and_write() -> tuple[int, int, float]:
             host_params, host_opt = jax.device_get((flat, jax.tree.leaves(opt)))
+            # Timed from here: waiting for the copies is waiting for the step queued before
+            # them (the loop runs a step ahead), which is the loop's time, not the write's.
+            t0 = time.monotonic()
             snap = ckpt.Snapshot(
                 meta=meta,
                 params={k: np.asarray(v) for k, v in host_params.items()},
@@ -648,6 +653,7 @@ class SyncEngine:
                 in_flight = records[p]["awaiting_above"] is not None
                 ckpt.encoder_arrays(p, f, in_flight, snap.arrays)
             slots.write(snap)
+            self.checkpoint_write_s = time.monotonic() - t0
             return -1, -1, 0.0  # not an update: nothing to acknowledge
 
         self._writing = self._encoder.submit(finish_and_write)

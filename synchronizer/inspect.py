@@ -53,6 +53,31 @@ def pending(r: Any, job: str, fragments: int) -> list[str]:
     return sorted(_s(u) for p in range(fragments) for u in r.hkeys(keys.round(p)))
 
 
+def dropped(r: Any, job: str, fragments: int) -> list[str]:
+    """Uids received into a round that died with its owner's epoch (the fragment was owned
+    anew since) and never received again: only their learner can still send them."""
+    keys = JobKeys(job)
+    out: list[str] = []
+    for p in range(fragments):
+        epoch = int(r.get(keys.epoch(p)) or 0)
+        prefix = keys.seen(p, "")  # ...:seen: then the learner slot's id
+        for key in r.scan_iter(match=_glob_escape(prefix) + "*"):
+            learner = _s(key)[len(prefix) :]
+            records = {_s(k): _s(v) for k, v in r.hgetall(key).items()}
+            incarnation = records.pop("incarnation", "")
+            records.pop("generation", None)
+            for seq, record in records.items():
+                received, _, state = record.split(" ")
+                if state == "r" and int(received) < epoch:
+                    out.append(f"{learner}/{incarnation}/{seq}")
+    return sorted(out)
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally by a Redis SCAN MATCH pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
 def commit_log(r: Any, job: str, fragment: int) -> list[dict[str, Any]]:
     return [json.loads(e) for e in r.lrange(JobKeys(job).log(fragment), 0, -1)]
 

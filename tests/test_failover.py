@@ -1,16 +1,21 @@
-"""Two synchronizer replicas on one Redis; one is SIGKILLed mid-run."""
+"""Two synchronizer replicas on one Redis; one is SIGKILLed mid-run. A learner with no
+synchronizer to talk to waits for one (by default for as long as it lives)."""
 
 from __future__ import annotations
 
 import signal
 import threading
 import time
+import uuid
 
+import pytest
 import redis
 
+from cluster.metrics import free_port
 from cluster.redis_server import RedisServer
-from learner.client import SynchronizerClient
+from learner.client import SessionError, SynchronizerClient
 from services.gen.atoll.v1 import session_pb2
+from synchronizer import inspect
 from tests import support
 from tests.conftest import SpawnSynchronizer
 
@@ -104,3 +109,55 @@ def test_a_replica_killed_mid_run_loses_nothing_and_commits_each_round_once(
     assert clients[2].stats.reconnects == 0
     for c in clients:
         c.close()
+
+
+def test_a_learner_waits_for_the_synchronizer_tier_however_long_it_is_away(
+    spawn_synchronizer: SpawnSynchronizer,
+) -> None:
+    # Nothing listens yet: by default the client keeps retrying (no deadline) and joins the
+    # replica that comes up later where it looks for it.
+    port = free_port()
+    waiting = SynchronizerClient(
+        [f"127.0.0.1:{port}"],
+        job="default",
+        learner_id="l0",
+        incarnation=uuid.uuid4().hex,
+        params=support.SPECS,
+        max_backoff_s=0.5,
+    )
+    welcomed: list[session_pb2.Welcome] = []
+    thread = threading.Thread(target=lambda: welcomed.append(waiting.connect()), daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    assert thread.is_alive(), "the client gave up"  # still waiting
+    assert not welcomed
+    spawn_synchronizer("--fragments", str(FRAGMENTS), port=port)
+    thread.join(timeout=60)
+    assert welcomed, "no welcome once a replica came up"
+    assert welcomed[0].config.fragments == FRAGMENTS
+    waiting.close()
+
+    # --give-up-s: a finite wait for those who want one; a stop request ends the wait too.
+    nowhere = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(SessionError, match="no synchronizer answered for 1 s"):
+        support.client([nowhere], "l1", give_up_s=1.0)
+    assert time.monotonic() - started < 10
+    stop = threading.Event()
+    stopping = SynchronizerClient(
+        [nowhere], job="default", learner_id="l2", incarnation="i", params=support.SPECS
+    )
+    threading.Timer(1.0, stop.set).start()
+    with pytest.raises(SessionError, match="stopped"):
+        stopping.connect(stop)
+
+
+def test_updates_whose_round_died_with_its_owner_are_found(redis_server: RedisServer) -> None:
+    # What `atoll up`'s report reads to tell an update dropped with its round (received
+    # under an owner epoch that has ended, never received again) from one lost.
+    r = redis.Redis(port=redis_server.port)
+    keys = support.KEYS
+    r.set(keys.epoch(0), 3)
+    r.hset(keys.seen(0, "l:0", "inc"), mapping={"1": "2 c1 r", "2": "3 c2 r", "3": "1 c3 c"})
+    r.hset(keys.seen(1, "l1", "inc"), mapping={"1": "1 c4 r"})  # fragment 1: epoch 0
+    assert inspect.dropped(r, "default", 2) == ["l:0/inc/1"]

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from cluster.chaos import KINDS
 from cluster.processes import atoll_command
 from synchronizer.ownership import OWNER_TTL_S
 from tests.test_up import up
@@ -19,6 +20,7 @@ from tests.test_up import up
 STEPS, H = 1200, 60
 FAST = ["--steps", str(STEPS), "--inner-steps", str(H), "--fragments", "3"]
 TOKENS_PER_STEP = 8 * 64  # test_up.SMALL: batch 8, context 64
+SOAK_STEPS = 600  # per learner: about a minute of training for the soak's short form
 
 
 def check(report: dict[str, Any], faults: int) -> None:
@@ -146,3 +148,54 @@ def test_a_partitioned_learner_catches_up_after_the_partition_heals(tmp_path: Pa
     assert any(e["kind"] == "reconnected" and e["who"] == "learner-1" for e in tape)
     after = [m for m in merged if m["t"] > healed and "learner-1" in m["learners"]]
     assert after, "the partitioned learner's updates were not merged after the heal"
+
+
+# Every fault kind the grammar knows, in the first 20 s of training (about a third of it):
+# the short form of the soak in docs/operations.md, where they come at random for 14
+# minutes. Victims are pinned so that no fault lands on a learner already down (it would be
+# moot, and not injected).
+EVERY_FAULT = ";".join(
+    [
+        "learner-kill:at=3s+17s,down=3s,victim=1",
+        "net-partition:at=4s,for=4s,victim=0",
+        "learner-pause:at=6s,for=3s,victim=2",
+        "net-reset:at=7s+15s,victim=3",
+        "synchronizer-kill:at=8s,down=3s,victim=0",
+        "net-latency:at=10s,for=5s,delay=200ms,victim=2",
+        "redis-restart:at=12s",
+        "net-bandwidth:at=13s,for=4s,rate=256KB,victim=3",
+        "synchronizer-kill:at=19s,down=3s,victim=1",
+    ]
+)
+
+
+def test_every_fault_kind_at_once_ends_well(tmp_path: Path) -> None:
+    report = up(
+        tmp_path,
+        "--learners",
+        "4",
+        "--synchronizers",
+        "2",
+        "--steps",
+        str(SOAK_STEPS),
+        "--inner-steps",
+        "20",
+        "--fragments",
+        "3",
+        "--chaos",
+        EVERY_FAULT,
+        "--seed",
+        "7",
+    )
+    check(report, 11)
+    kinds = {f["kind"] for f in report["faults"]["schedule"]}
+    assert kinds == set(KINDS), set(KINDS) - kinds
+    tape = report["_tape"]
+    # Both replicas were killed and came back where the learners look for them: every
+    # fragment commits again after the second kill.
+    last_kill = max(e["t"] for e in tape if e["kind"] == "killed" and "synchronizer" in e)
+    after = {m["fragment"] for m in tape if m["kind"] == "merged" and m["t"] > last_kill}
+    assert after == {0, 1, 2}, after
+    # The learner killed twice came back, and the partitioned one reconnected.
+    assert len([e for e in tape if e["kind"] == "joined" and e["who"] == "learner-1"]) >= 2
+    assert any(e["kind"] == "reconnected" and e["who"] == "learner-0" for e in tape)
