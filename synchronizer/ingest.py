@@ -139,6 +139,14 @@ class Ingest:
         if owner is None or owner.lost:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NOT_OWNER.format(p=p))
         assert owner is not None
+        if first.kind == session_pb2.UPDATE_KIND_INITIAL and owner.version is not None:
+            # Known before a byte of it is read or a buffer made for it (whole or in parts).
+            return session_pb2.Ack(
+                seq=first.seq,
+                fragment=p,
+                epoch=owner.epoch,
+                status=session_pb2.ACK_STATUS_ALREADY_INITIALIZED,
+            )
         if first.parts > 1:
             return await self._in_parts(owner, codec, first, request_iterator)
         if first.kind == session_pb2.UPDATE_KIND_INITIAL:

@@ -159,12 +159,8 @@ class FragmentOwner:
         self.state: list[np.ndarray] = []
         self.residual = np.zeros(0, np.float32)
         self.theta_norm = 0.0
-        # Each learner's last accepted update's weight (as capped) on this fragment, and the
-        # L2 norm (with the inner steps it covered) of its last update accepted or refused
-        # for its norm (as far as it was read,
-        # or as it claimed): the norm bars follow what the other learners send, so learners
-        # whose updates outgrow the bar together (as in warm-up, when a fragment's first
-        # updates are tiny) are not shut out for good.
+        # Each learner's last accepted update's weight (as capped) on this fragment, and its
+        # L2 norm with the inner steps it covered (`norm_bound`).
         self.weights: dict[str, float] = {}
         self.norms: dict[str, tuple[float, int]] = {}
         # Whose idempotency records of this fragment each slot's are, as last recorded here.
@@ -261,10 +257,6 @@ class FragmentOwner:
         bound = self.norm_bound(learner, c_steps)
         claimed = math.sqrt(sum(float(n) ** 2 for n in norms))
         if claimed > bound:
-            # Refused, but what it says it weighs moves the others' bars (only ever up: it
-            # is over the bar): learners whose updates grow past the bar together, as in
-            # warm-up, let each other in again.
-            self.norms[learner] = (claimed, c_steps)
             raise NormTooLarge(
                 f"the update's tensor norms total {claimed:.3g}, over the bound {bound:.3g} "
                 f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)"
@@ -290,20 +282,24 @@ class FragmentOwner:
 
     def norm_bound(self, learner: str, steps: int) -> float:
         """The largest L2 norm an update of `steps` inner steps may have:
-        --max-update-norm-ratio times the median of the other learners' last updates (a
-        learner's own never moves its bar), each scaled to `steps` (`step_scale`: a learner
-        whose reply came late sends more steps at once, and the next update fewer). With no
-        other learner's update yet, times the fragment's own norm (an outer gradient is a
-        fraction of the parameters it moves), as if its values had an RMS of at least
-        REFERENCE_RMS (a fragment of zeros); never the learner's own last norm, which would
-        let a slot alone on a fragment raise its own bar tenfold with every update."""
+        --max-update-norm-ratio times the median of the other learners' last accepted
+        updates (a learner's own never moves its bar; a refused one moves no one's, so
+        refusals cost an attacker nothing and gain it nothing), each scaled to `steps`
+        (`step_scale`: a learner whose reply came late sends more steps at once, and the next
+        update fewer); never below the fragment's own norm, as if its values had an RMS of at
+        least REFERENCE_RMS (a fragment of zeros): learners whose updates outgrow each other's
+        tiny last ones together, as in warm-up, are not shut out, and an attacker gains at
+        most the fragment's size times its capped weight. With no other learner's update
+        yet, --max-update-norm-ratio times that size (an outer gradient is a fraction of the
+        parameters it moves); never the learner's own last norm, which would let a slot
+        alone on a fragment raise its own bar tenfold with every update."""
         ratio = self.config.max_update_norm_ratio
-        floor = max(1e-3 * self.theta_norm, 1e-12)  # tiny updates cannot shut the others out
+        size = max(self.theta_norm, REFERENCE_RMS * math.sqrt(self.size))
         others = [(n, s) for who, (n, s) in self.norms.items() if who != learner]
         if others:
             scaled = [n * step_scale(steps, s) for n, s in others]
-            return ratio * max(statistics.median(scaled), floor)
-        return ratio * max(self.theta_norm, REFERENCE_RMS * math.sqrt(self.size))
+            return max(ratio * statistics.median(scaled), size)
+        return ratio * size
 
     def check_norms(self, update: Update) -> None:
         """The per-tensor norms an update claimed (radial merging divides by them) must be
@@ -322,18 +318,9 @@ class FragmentOwner:
     def add(self, update: Update, offset: int, count: int, data: bytes) -> asyncio.Future[None]:
         """Queue one chunk to be hashed, decoded and summed into the update's round on the
         fragment's worker, in arrival order; the future raises CodecError or NormTooLarge."""
-        job = asyncio.get_running_loop().run_in_executor(
+        return asyncio.get_running_loop().run_in_executor(
             self.worker, self._add, update, offset, count, data
         )
-
-        def follow(done: asyncio.Future[None]) -> None:
-            err = None if done.cancelled() else done.exception()
-            if isinstance(err, NormTooLarge) and err.norm is not None:
-                # At least this large: the others' bars follow it.
-                self.norms[update.learner] = (err.norm, update.c_steps)
-
-        job.add_done_callback(follow)
-        return job
 
     # The chunk records and the sums are touched on the worker thread only, one job at a
     # time; which round an update belongs to (`update.accumulator`, the members) changes on

@@ -42,6 +42,9 @@ from synchronizer.owner import FragmentOwner, NormTooLarge, RoundBusy, Update
 
 SUMMING_AHEAD = 3  # chunks of one part queued on the fragment's worker while more arrive
 KEEP_ANSWERS = 4096  # final answers kept for parts sent again
+# Updates in parts one slot may have open on one fragment (its round's update and a retry):
+# each holds a fragment's worth of chunks or values until its parts are in or time out.
+OPEN_PER_SLOT = 2
 
 
 @dataclass
@@ -145,6 +148,14 @@ class Parts:
             return _kept(kept, first)
         gathering = self.open.get(key)
         if gathering is None:
+            fragment, _, slot = key[:3]
+            if sum(1 for k in self.open if k[0] == fragment and k[2] == slot) >= OPEN_PER_SLOT:
+                raise Rejection(
+                    "bad_request",
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"learner slot {slot[:64]!r} has {OPEN_PER_SLOT} updates in parts open on "
+                    f"fragment {fragment} already; wait for their answers",
+                )
             gathering = self._open(key, owner, codec, first)
         else:
             check_same_update(first, gathering.first)

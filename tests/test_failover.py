@@ -158,6 +158,8 @@ def test_updates_whose_round_died_with_its_owner_are_found(redis_server: RedisSe
     r = redis.Redis(port=redis_server.port)
     keys = support.KEYS
     r.set(keys.epoch(0), 3)
-    r.hset(keys.seen(0, "l:0", "inc"), mapping={"1": "2 c1 r", "2": "3 c2 r", "3": "1 c3 c"})
-    r.hset(keys.seen(1, "l1", "inc"), mapping={"1": "1 c4 r"})  # fragment 1: epoch 0
+    # A slot's records of a fragment name their incarnation and its hello's generation.
+    held = {"incarnation": "inc", "generation": "1"}
+    r.hset(keys.seen(0, "l:0"), mapping={**held, "1": "2 c1 r", "2": "3 c2 r", "3": "1 c3 c"})
+    r.hset(keys.seen(1, "l1"), mapping={**held, "1": "1 c4 r"})  # fragment 1: epoch 0
     assert inspect.dropped(r, "default", 2) == ["l:0/inc/1"]

@@ -521,12 +521,14 @@ def test_the_first_updates_of_a_fragment_are_bounded_by_its_own_norm(
         evil.close()
 
 
-def test_updates_that_outgrow_the_bar_together_are_not_shut_out_for_good(
+def test_updates_that_outgrow_the_bar_together_pass_and_a_refused_claim_moves_no_bar(
     tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
 ) -> None:
     # As in warm-up: the first updates of a fragment are tiny, the next 30 times larger.
-    # Measured against each other's tiny last updates, both learners' were refused for
-    # ever; the bar now follows what the other learner sends, refused or not.
+    # Measured against each other's tiny last updates, both learners' were once refused for
+    # ever; the bar is never below the fragment's own size now. And a refused update moves
+    # no one's bar: evil's claim of a norm of 1e20 once lifted l1's (a colluding slot's)
+    # bar so that an update 170 times the honest size merged.
     sync = spawn_synchronizer(
         "--fragments",
         str(P),
@@ -537,16 +539,20 @@ def test_updates_that_outgrow_the_bar_together_are_not_shut_out_for_good(
     )
     c0 = support.client([sync.address], "l0", token=TOKENS["l0"])
     c1 = support.client([sync.address], "l1", token=TOKENS["l1"])
+    evil = support.client([sync.address], "evil", token=TOKENS["evil"])
     r = redis.Redis(port=redis_server.port)
     try:
         support.initialize(c0, P)
         rng = np.random.default_rng(3)
 
-        def send(c: SynchronizerClient, scale: float, seq: int) -> session_pb2.Ack:
+        def send(
+            c: SynchronizerClient, scale: float, seq: int, claim: float | None = None
+        ) -> session_pb2.Ack:
             values = rng.normal(scale=scale, size=N0).astype(np.float32)
             v = support.version(r, 0)
             chunks, _ = update_of(c, 0, values, seq, base_version=v)
-            chunks[0].tensor_norms.append(float(np.linalg.norm(values)))  # as learners do
+            norm = float(np.linalg.norm(values)) if claim is None else claim
+            chunks[0].tensor_norms.append(norm)  # as learners do
             ack = c.ingest_raw(chunks)
             if ack.status == session_pb2.ACK_STATUS_RECEIVED:
                 wait_until(lambda: support.version(r, 0) > v, what="the round")
@@ -554,17 +560,22 @@ def test_updates_that_outgrow_the_bar_together_are_not_shut_out_for_good(
 
         assert send(c0, 1e-3, 1).status == session_pb2.ACK_STATUS_RECEIVED
         assert send(c1, 1e-3, 1).status == session_pb2.ACK_STATUS_RECEIVED
-        refused = send(c0, 3e-2, 2)  # over 10 x l1's last: refused
-        assert refused.status == session_pb2.ACK_STATUS_REJECTED
-        assert "norms total" in refused.reason, refused.reason
-        for seq in (2, 3):  # l1's bar follows l0's refused one; then l0's follows l1's
+        for seq in (2, 3):  # 30 times larger, both: under the fragment's size, never shut out
+            assert send(c0, 3e-2, seq).status == session_pb2.ACK_STATUS_RECEIVED
             assert send(c1, 3e-2, seq).status == session_pb2.ACK_STATUS_RECEIVED
-            assert send(c0, 3e-2, seq + 1).status == session_pb2.ACK_STATUS_RECEIVED
-        # evil-sized ones are still refused: 10 x the others' last is the bar.
-        assert send(c1, 1.0, 4).status == session_pb2.ACK_STATUS_REJECTED
+        # Five times the fragment's own size (RMS 1 here): refused.
+        big = send(c1, 5.0, 4)
+        assert big.status == session_pb2.ACK_STATUS_REJECTED, big
+        claimed = send(evil, 0.0, 1, claim=1e20)
+        assert claimed.status == session_pb2.ACK_STATUS_REJECTED
+        assert "norms total" in claimed.reason, claimed.reason
+        again = send(c1, 5.0, 5)  # the refused claim lifted no bar
+        assert again.status == session_pb2.ACK_STATUS_REJECTED, again
+        assert send(c0, 3e-2, 4).status == session_pb2.ACK_STATUS_RECEIVED
     finally:
         c0.close()
         c1.close()
+        evil.close()
 
 
 def fetch_values(c: SynchronizerClient, fragment: int) -> np.ndarray:

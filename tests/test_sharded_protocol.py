@@ -167,3 +167,39 @@ def test_a_notices_session_is_told_versions_and_ranges_are_fetched_at_a_version(
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         c.close()
+
+
+def test_first_values_never_pin_memory_once_known_and_open_parts_are_few_per_slot(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    # A slot once made a replica hold one whole-fragment buffer per call of first values in
+    # parts (48 calls: 860 MB for a minute), on a fragment that had its value already.
+    sync = spawn_synchronizer("--fragments", "2", "--parts-timeout-s", "3")
+    c = support.client([sync.address], "l0")
+    r = redis.Redis(port=redis_server.port)
+    try:
+        values = np.zeros(N, np.float32)
+
+        def first_values(seq: int, k: int = 0) -> list[session_pb2.UpdateChunk]:
+            chunks = part(values, [(0, N // 2)] if k == 0 else [(N // 2, N)], k, 2, seq)
+            for chunk in chunks:
+                chunk.kind = session_pb2.UPDATE_KIND_INITIAL
+            return chunks
+
+        # Not initialized yet: two updates in parts may be open on a fragment, not three.
+        with ThreadPoolExecutor(3) as pool:
+            waiting = [pool.submit(send, c, [first_values(seq)]) for seq in (1, 2)]
+            time.sleep(1.0)
+            third = send(c, [first_values(3)])[0]
+            assert third.status == REJECTED, third
+            assert "open" in third.reason, third
+            assert all(w.result()[0].status == REJECTED for w in waiting)  # timed out
+        support.initialize(c, 2)
+        version = support.version(r, FRAGMENT)
+        # Initialized: first values are answered at once, before a byte is read.
+        for seq in (10, 11, 12):
+            (ack,) = send(c, [first_values(seq)])
+            assert ack.status == session_pb2.ACK_STATUS_ALREADY_INITIALIZED, ack
+        assert support.version(r, FRAGMENT) == version
+    finally:
+        c.close()
