@@ -26,6 +26,8 @@ def test_an_unreachable_synchronizer_is_one_clear_line_not_a_traceback() -> None
             "32",
             "--batch-size",
             "2",
+            "--give-up-s",  # by default a learner never gives up on the synchronizer tier
+            "5",
         ],
         capture_output=True,
         text=True,
@@ -34,4 +36,4 @@ def test_an_unreachable_synchronizer_is_one_clear_line_not_a_traceback() -> None
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("atoll learner: no synchronizer answered within 30 s at 127.0.0.1:9")
+    assert last.startswith("atoll learner: no synchronizer answered for 5 s at 127.0.0.1:9")
