@@ -124,6 +124,7 @@ def retryable(err: BaseException) -> bool:
 
 
 def describe(err: BaseException) -> str:
+    """A failure in a word for the logs: its status code, else its message."""
     code = status(err)
     return str(code) if code is not None else str(err)
 
