@@ -25,7 +25,15 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.runs import atoll, data_parallel, learner_summaries, model_flags, up, write
+from bench.runs import (
+    IDENTITY_MERGE,
+    atoll,
+    data_parallel,
+    learner_summaries,
+    model_flags,
+    up,
+    write,
+)
 from services.bandwidth import dp_equivalent_bytes
 
 if TYPE_CHECKING:
@@ -105,10 +113,9 @@ def eval_command(settings: QualityBench, model_file: Path) -> list[str]:
     ]
 
 
-def planned(settings: QualityBench) -> list[tuple[str, list[str]]]:
-    """(name, flags) of each run this invocation makes, besides dp."""
-    m, steps = settings.learners, steps_of(settings)
-    learners = [
+def learner_flags(settings: QualityBench, m: int, steps: int) -> list[str]:
+    """M learners of `steps` inner steps each, as the settings place and feed them."""
+    return [
         "--learners",
         str(m),
         "--steps",
@@ -121,8 +128,13 @@ def planned(settings: QualityBench) -> list[tuple[str, list[str]]]:
         str(settings.fragments),
         "--gpus-per-learner",
         str(settings.gpus_per_learner),
-        *outer_flags(settings),
     ]
+
+
+def planned(settings: QualityBench) -> list[tuple[str, list[str]]]:
+    """(name, flags) of each run this invocation makes, besides dp."""
+    learners = [*learner_flags(settings, settings.learners, steps_of(settings))]
+    learners += outer_flags(settings)
     out: list[tuple[str, list[str]]] = []
     for h in settings.inner_steps:
         at_h = [*learners, "--inner-steps", str(h)]
@@ -208,31 +220,7 @@ def sanity(settings: QualityBench, common: list[str], root: Path) -> dict[str, A
     """One learner through the decoupled path, each merge the identity, against itself
     alone: the largest difference of their training losses, step by step."""
     steps, h = settings.sanity_steps, settings.inner_steps[0]
-    one = [
-        *common,
-        "--learners",
-        "1",
-        "--steps",
-        str(steps),
-        "--threads",
-        str(settings.threads),
-        "--batch-size",
-        str(settings.batch_size),
-        "--fragments",
-        str(settings.fragments),
-        "--gpus-per-learner",
-        str(settings.gpus_per_learner),
-        "--codec",
-        "fp32",
-        "--downlink-codec",
-        "fp32",
-        "--outer-lr",
-        "1.0",
-        "--outer-momentum",
-        "0",
-        "--log-every",
-        "1",
-    ]
+    one = [*common, *learner_flags(settings, 1, steps), *IDENTITY_MERGE, "--log-every", "1"]
     curves = {}
     for name, flags in {
         "alone": ["--mode", "sync", "--inner-steps", str(steps)],

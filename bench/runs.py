@@ -33,6 +33,19 @@ def up(workdir: Path, args: Sequence[str]) -> dict[str, Any]:
     return dict(json.loads(report.read_text()))
 
 
+# Merges that change nothing: float32 both ways, one outer step of lr 1 without momentum.
+IDENTITY_MERGE = (
+    "--codec",
+    "fp32",
+    "--downlink-codec",
+    "fp32",
+    "--outer-lr",
+    "1.0",
+    "--outer-momentum",
+    "0",
+)
+
+
 def model_flags(settings: Any) -> list[str]:
     """The built-in model's flags from a benchmark's settings."""
     return [
@@ -89,14 +102,7 @@ def data_parallel(
             str(steps),
             "--fragments",
             "1",
-            "--codec",
-            "fp32",
-            "--downlink-codec",
-            "fp32",
-            "--outer-lr",
-            "1.0",
-            "--outer-momentum",
-            "0",
+            *IDENTITY_MERGE,
         ],
     )
 
