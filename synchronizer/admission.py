@@ -82,6 +82,18 @@ def check_payload(header: fragment_pb2.PayloadHeader, codec: codecs.Codec, paylo
         raise _invalid("non_finite" if non_finite else "bad_codec", str(err)) from None
 
 
+def _continues(chunk: session_pb2.UpdateChunk, first: session_pb2.UpdateChunk) -> bool:
+    """Whether a later chunk carries its call's first chunk's header and update."""
+    return (
+        chunk.header == first.header
+        and chunk.seq == first.seq
+        and chunk.kind == first.kind
+        and chunk.base_version == first.base_version
+        and chunk.learner_id == first.learner_id
+        and chunk.incarnation == first.incarnation
+    )
+
+
 def check_chunk(
     chunk: session_pb2.UpdateChunk,
     first: session_pb2.UpdateChunk,
@@ -90,14 +102,7 @@ def check_chunk(
     size: int,
 ) -> None:
     """Check one chunk of an update against its first chunk and the values already in."""
-    if index and (
-        chunk.header != first.header
-        or chunk.seq != first.seq
-        or chunk.kind != first.kind
-        or chunk.base_version != first.base_version
-        or chunk.learner_id != first.learner_id
-        or chunk.incarnation != first.incarnation
-    ):
+    if index and not _continues(chunk, first):
         raise _invalid(
             "out_of_order", "header changed between chunks of one update; resend it whole"
         )
@@ -154,13 +159,7 @@ def check_part_chunk(
     update's, a part's chunks may leave values out (other parts hold them) and end
     mid-block (where the part's range ends)."""
     if index and (
-        chunk.header != first.header
-        or chunk.seq != first.seq
-        or chunk.kind != first.kind
-        or chunk.base_version != first.base_version
-        or chunk.learner_id != first.learner_id
-        or chunk.incarnation != first.incarnation
-        or (chunk.part, chunk.parts) != (first.part, first.parts)
+        not _continues(chunk, first) or (chunk.part, chunk.parts) != (first.part, first.parts)
     ):
         raise _invalid(
             "out_of_order", "header changed between chunks of one part; resend the part whole"
