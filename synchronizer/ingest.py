@@ -8,9 +8,8 @@ again if anything fails.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -25,13 +24,12 @@ from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout
 from synchronizer import auth
 from synchronizer.admission import Rejection, check_chunk, check_header, check_update_fields
-from synchronizer.owner import FragmentOwner, NormTooLarge, RoundBusy, Update
+from synchronizer.owner import FragmentOwner, NormTooLarge
 from synchronizer.ownership import Ownership
-from synchronizer.parts import Gathering, Parts, combined_checksum, summed
+from synchronizer.parts import Gathering, Parts, Summing, begin_update, combined_checksum
 from synchronizer.store import ControlStore
 
 log = structlog.get_logger("atoll.synchronizer.ingest")
-SUMMING_AHEAD = 3  # chunks of one update queued on the fragment's worker while more arrive
 
 NOT_OWNER = "not the owner of fragment {p}; look up the owner map again and resend"
 
@@ -210,35 +208,15 @@ class Ingest:
                 ),
             )
         try:
-            update: Update = owner.begin(
-                learner=first.learner_id,
-                incarnation=first.incarnation,
-                seq=first.seq,
-                base_version=first.base_version,
-                c_steps=first.c_steps,
-                c_tokens=first.c_tokens,
-                compute_seconds=first.compute_seconds,
-                norms=list(first.tensor_norms),
-                codec=codec,
-                block_size=first.header.block_size,
-            )
-        except NormTooLarge as err:
-            return await self._refuse(
-                first, Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err))
-            )
-        except RoundBusy as err:  # retryable: the learner's client sends it again later
-            return await self._refuse(
-                first, Rejection("bad_request", grpc.StatusCode.UNAVAILABLE, str(err))
-            )
-        summing: deque[asyncio.Future[None]] = deque()
+            update = begin_update(owner, codec, first, list(first.tensor_norms))
+        except Rejection as rejection:
+            return await self._refuse(first, rejection)
+        summing = Summing()
         try:
             # The next chunk is read while the last ones are summed on the fragment's worker.
             async for chunk, data in self._chunks(first, rest):
-                summing.append(owner.add(update, chunk.value_offset, chunk.value_count, data))
-                if len(summing) >= SUMMING_AHEAD:
-                    await summed(summing.popleft())
-            while summing:
-                await summed(summing.popleft())
+                await summing.add(owner.add(update, chunk.value_offset, chunk.value_count, data))
+            await summing.done()
             if update.hasher.intdigest() != first.header.checksum:
                 raise Rejection(
                     "checksum",
@@ -250,11 +228,11 @@ class Ingest:
             except NormTooLarge as err:
                 raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         except Rejection as rejection:
-            await _drain(summing)
+            await summing.drain()
             await owner.abandon(update)
             return await self._refuse(first, rejection)
         except BaseException:
-            await _drain(summing)
+            await summing.drain()
             await owner.abandon(update)
             raise
         status, version = await owner.receive(update, first.header.checksum)
@@ -400,9 +378,3 @@ class Ingest:
             reason=rejection.message,
             version=version,
         )
-
-
-async def _drain(jobs: deque[asyncio.Future[None]]) -> None:
-    """Let the chunk sums still queued finish (or fail) before the update is taken out."""
-    await asyncio.gather(*jobs, return_exceptions=True)
-    jobs.clear()

@@ -23,7 +23,7 @@ import asyncio
 import time
 from bisect import bisect_right
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -40,7 +40,7 @@ from synchronizer.admission import (
 )
 from synchronizer.owner import FragmentOwner, NormTooLarge, RoundBusy, Update
 
-SUMMING_AHEAD = 3  # chunks of one part queued on the fragment's worker while more arrive
+SUMMING_AHEAD = 3  # chunks of one update queued on the fragment's worker while more arrive
 KEEP_ANSWERS = 4096  # final answers kept for parts sent again
 # Updates in parts one slot may have open on one fragment (its round's update and a retry):
 # each holds a fragment's worth of chunks or values until its parts are in or time out.
@@ -200,23 +200,7 @@ class Parts:
     ) -> Gathering:
         update, values = None, None
         if first.kind == session_pb2.UPDATE_KIND_OUTER_GRADIENT:
-            try:
-                update = owner.begin(
-                    learner=first.learner_id,
-                    incarnation=first.incarnation,
-                    seq=first.seq,
-                    base_version=first.base_version,
-                    c_steps=first.c_steps,
-                    c_tokens=first.c_tokens,
-                    compute_seconds=first.compute_seconds,
-                    norms=(),  # each part knows only its share of a tensor
-                    codec=codec,
-                    block_size=first.header.block_size,
-                )
-            except NormTooLarge as err:
-                raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-            except RoundBusy as err:
-                raise Rejection("bad_request", grpc.StatusCode.UNAVAILABLE, str(err)) from None
+            update = begin_update(owner, codec, first, ())  # a part knows its share only
         else:
             values = np.empty(owner.size, np.float32)
         gathering = Gathering(first, owner, update, values)
@@ -234,7 +218,7 @@ class Parts:
         """Sum (or place) one part's chunks; return its checksum, checked."""
         header, size, update = first.header, gathering.owner.size, gathering.update
         hasher = xxhash.xxh3_64()
-        summing: deque[asyncio.Future[None]] = deque()
+        summing = Summing()
         chunk: session_pb2.UpdateChunk | None = first
         index, after, received = 0, 0, 0
         try:
@@ -263,18 +247,15 @@ class Parts:
                     )
                 hasher.update(data)
                 if update is not None:
-                    summing.append(gathering.owner.add(update, offset, count, data))
-                    if len(summing) >= SUMMING_AHEAD:
-                        await summed(summing.popleft())
+                    await summing.add(gathering.owner.add(update, offset, count, data))
                 else:
                     assert gathering.values is not None
                     gathering.values[offset : offset + count] = _fp32(data, count)
                 after, index = offset + count, index + 1
                 chunk = await anext(rest, None)
-            while summing:
-                await summed(summing.popleft())
+            await summing.done()
         finally:
-            await asyncio.gather(*summing, return_exceptions=True)
+            await summing.drain()
         if index != header.chunk_count or received != header.total_bytes:
             raise _invalid(
                 "out_of_order",
@@ -380,6 +361,56 @@ def _fp32(data: bytes, count: int) -> np.ndarray:
         return codecs.by_name("fp32").decode(data, count, 0)
     except codecs.CodecError as err:
         raise _invalid("bad_codec", str(err)) from None
+
+
+def begin_update(
+    owner: FragmentOwner,
+    codec: codecs.Codec,
+    first: session_pb2.UpdateChunk,
+    norms: Sequence[float],
+) -> Update:
+    """Start summing the update (or part) whose first chunk is `first` into the owner's
+    open round; its refusal as a Rejection."""
+    try:
+        return owner.begin(
+            learner=first.learner_id,
+            incarnation=first.incarnation,
+            seq=first.seq,
+            base_version=first.base_version,
+            c_steps=first.c_steps,
+            c_tokens=first.c_tokens,
+            compute_seconds=first.compute_seconds,
+            norms=norms,
+            codec=codec,
+            block_size=first.header.block_size,
+        )
+    except NormTooLarge as err:
+        raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+    except RoundBusy as err:  # retryable: the learner's client sends it again later
+        raise Rejection("bad_request", grpc.StatusCode.UNAVAILABLE, str(err)) from None
+
+
+class Summing:
+    """Chunk sums queued on a fragment's worker while the next chunks are read, at most
+    SUMMING_AHEAD at once; a refusal of one is the update's."""
+
+    def __init__(self) -> None:
+        self.jobs: deque[asyncio.Future[None]] = deque()
+
+    async def add(self, job: asyncio.Future[None]) -> None:
+        self.jobs.append(job)
+        if len(self.jobs) >= SUMMING_AHEAD:
+            await summed(self.jobs.popleft())
+
+    async def done(self) -> None:
+        """Wait for every queued sum; raise the first refusal."""
+        while self.jobs:
+            await summed(self.jobs.popleft())
+
+    async def drain(self) -> None:
+        """Let the sums still queued finish (or fail) before the update is taken out."""
+        await asyncio.gather(*self.jobs, return_exceptions=True)
+        self.jobs.clear()
 
 
 async def summed(job: asyncio.Future[None]) -> None:
