@@ -67,6 +67,17 @@ def tensor_norms(values: np.ndarray, segments: Sequence[int]) -> list[float]:
     return out
 
 
+def decode_checked(
+    segment: Segment, codec: Codec, block_size: int, weight: float, limit: float
+) -> tuple[np.ndarray, float]:
+    """A chunk decoded whole and its sum of squares (inf on overflow); CodecError for values
+    that times `weight` could pass `limit`, as `Codec.decode_into` refuses them."""
+    values = codec.decode(segment.data, segment.count, block_size)
+    check_limit(float(np.abs(values).max()) if values.size else 0.0, weight, limit, codec.name)
+    with np.errstate(over="ignore"):
+        return values, float(np.dot(values, values))
+
+
 @dataclass
 class Accumulator:
     """The running sum of one round of one fragment (mean rule: sum of w * delta)."""
@@ -164,10 +175,7 @@ class RadialAccumulator(Accumulator):
     ) -> float:
         """As the mean rule's, decoded whole first: each tensor's part is scaled by its own
         factor."""
-        values = codec.decode(segment.data, segment.count, block_size)
-        check_limit(float(np.abs(values).max()) if values.size else 0.0, weight, limit, codec.name)
-        with np.errstate(over="ignore"):
-            squares = float(np.dot(values, values))
+        values, squares = decode_checked(segment, codec, block_size, weight, limit)
         if weight >= 0:
             self.add(segment.offset, values, weight, norms)
         else:

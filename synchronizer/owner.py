@@ -28,7 +28,6 @@ import xxhash
 
 from services import codec as codecs
 from services import telemetry as tm
-from services.blockwise import check_limit
 from services.config import JobConfig
 from services.downlink import step_segment
 from services.tape import Tape
@@ -37,6 +36,7 @@ from synchronizer.merge import (
     Accumulator,
     OuterOptimizer,
     capped_weights,
+    decode_checked,
     partial_round_scale,
     staleness_weight,
     token_weight,
@@ -85,9 +85,7 @@ class Chunk:
     """A chunk summed into a round's accumulator (None: not summed yet, its update's weight
     is provisional), kept until its update is received (provisional: until its round merges)."""
 
-    offset: int
-    count: int
-    data: bytes
+    segment: codecs.Segment
     accumulator: Accumulator | None
 
 
@@ -333,7 +331,9 @@ class FragmentOwner:
         # (`_sum_provisional`).
         target = None if update.provisional else update.accumulator
         if target is None:
-            squares = _squares(update, segment)
+            _, squares = decode_checked(
+                segment, update.codec, update.block_size, update.weight, MAX_WEIGHTED_VALUE
+            )
         else:
             squares = self._sum(update, target, segment, update.weight)
         refusal: Exception | None = None
@@ -351,7 +351,7 @@ class FragmentOwner:
                 self._sum(update, target, segment, -update.weight)
             raise refusal
         update.squares += squares
-        update.chunks.append(Chunk(offset, count, data, target))
+        update.chunks.append(Chunk(segment, target))
 
     def _sum(self, update: Update, target: Accumulator, segment: codecs.Segment, w: float) -> float:
         """Decode a chunk and add it into `target` weighing `w` (negative: out again)."""
@@ -362,8 +362,7 @@ class FragmentOwner:
     def _take_out(self, update: Update) -> None:
         for chunk in update.chunks:
             if chunk.accumulator is not None:
-                segment = codecs.Segment(chunk.offset, chunk.count, chunk.data)
-                self._sum(update, chunk.accumulator, segment, -update.weight)
+                self._sum(update, chunk.accumulator, chunk.segment, -update.weight)
         update.chunks.clear()
 
     def _sum_provisional(self, members: list[Update], sealed: Accumulator) -> None:
@@ -379,8 +378,7 @@ class FragmentOwner:
                 continue
             update.weight = weight
             for chunk in update.chunks:
-                segment = codecs.Segment(chunk.offset, chunk.count, chunk.data)
-                self._sum(update, sealed, segment, weight)
+                self._sum(update, sealed, chunk.segment, weight)
             sealed.counted(weight, update.norms, 1)
             update.chunks.clear()
 
@@ -388,9 +386,8 @@ class FragmentOwner:
         """Chunks summed into a round being merged go to the update's round now."""
         for chunk in update.chunks:
             if chunk.accumulator is sealed:
-                segment = codecs.Segment(chunk.offset, chunk.count, chunk.data)
-                self._sum(update, sealed, segment, -update.weight)
-                self._sum(update, update.accumulator, segment, update.weight)
+                self._sum(update, sealed, chunk.segment, -update.weight)
+                self._sum(update, update.accumulator, chunk.segment, update.weight)
                 chunk.accumulator = update.accumulator
 
     async def abandon(self, update: Update) -> None:
@@ -680,15 +677,6 @@ class FragmentOwner:
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
-
-
-def _squares(update: Update, segment: codecs.Segment) -> float:
-    """A chunk's sum of squares, nothing summed; refused as `add_encoded` would."""
-    values = update.codec.decode(segment.data, segment.count, update.block_size)
-    largest = float(np.abs(values).max()) if values.size else 0.0
-    check_limit(largest, update.weight, MAX_WEIGHTED_VALUE, update.codec.name)
-    with np.errstate(over="ignore"):
-        return float(np.dot(values, values))
 
 
 def step_scale(steps: int, reference_steps: int) -> float:
