@@ -372,23 +372,30 @@ def test_an_anonymous_first_hello_cannot_fix_the_jobs_spec(
 
 
 # --- weights and values -------------------------------------------------------------------
+def token_holders(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, slots: Sequence[str], *flags: str
+) -> list[SynchronizerClient]:
+    """A job of P fragments whose rounds merge without grace, and a session for each of the
+    token holders `slots`; `flags`: the synchronizer's more."""
+    sync = spawn_synchronizer(
+        "--fragments",
+        str(P),
+        "--grace-seconds",
+        "0",
+        "--learner-tokens-file",
+        str(tokens_file(tmp_path)),
+        *flags,
+    )
+    return [support.client([sync.address], slot, token=TOKENS[slot]) for slot in slots]
+
+
 def l0_and_evil(
     tmp_path: Path, spawn_synchronizer: SpawnSynchronizer
 ) -> tuple[SynchronizerClient, SynchronizerClient]:
     """A job whose rounds wait for two learners (quorum 2, no grace), and two token holders:
     the legitimate l0 and evil."""
-    sync = spawn_synchronizer(
-        "--fragments",
-        str(P),
-        "--quorum",
-        "2",
-        "--grace-seconds",
-        "0",
-        "--learner-tokens-file",
-        str(tokens_file(tmp_path)),
-    )
-    c0 = support.client([sync.address], "l0", token=TOKENS["l0"])
-    return c0, support.client([sync.address], "evil", token=TOKENS["evil"])
+    c0, evil = token_holders(tmp_path, spawn_synchronizer, ("l0", "evil"), "--quorum", "2")
+    return c0, evil
 
 
 def test_a_huge_token_count_does_not_buy_the_merge(
@@ -475,16 +482,7 @@ def test_the_first_update_of_a_fragment_does_not_buy_its_first_merge(
 def test_the_first_updates_of_a_fragment_are_bounded_by_its_own_norm(
     tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
 ) -> None:
-    sync = spawn_synchronizer(
-        "--fragments",
-        str(P),
-        "--grace-seconds",
-        "0",
-        "--learner-tokens-file",
-        str(tokens_file(tmp_path)),
-    )
-    c0 = support.client([sync.address], "l0", token=TOKENS["l0"])
-    evil = support.client([sync.address], "evil", token=TOKENS["evil"])
+    c0, evil = token_holders(tmp_path, spawn_synchronizer, ("l0", "evil"))
     r = redis.Redis(port=redis_server.port)
     try:
         # Fragment 0 starts at zero (biases): with nothing to compare an update against, it
@@ -529,17 +527,7 @@ def test_updates_that_outgrow_the_bar_together_pass_and_a_refused_claim_moves_no
     # ever; the bar is never below the fragment's own size now. And a refused update moves
     # no one's bar: evil's claim of a norm of 1e20 once lifted l1's (a colluding slot's)
     # bar so that an update 170 times the honest size merged.
-    sync = spawn_synchronizer(
-        "--fragments",
-        str(P),
-        "--grace-seconds",
-        "0",
-        "--learner-tokens-file",
-        str(tokens_file(tmp_path)),
-    )
-    c0 = support.client([sync.address], "l0", token=TOKENS["l0"])
-    c1 = support.client([sync.address], "l1", token=TOKENS["l1"])
-    evil = support.client([sync.address], "evil", token=TOKENS["evil"])
+    c0, c1, evil = token_holders(tmp_path, spawn_synchronizer, ("l0", "l1", "evil"))
     r = redis.Redis(port=redis_server.port)
     try:
         support.initialize(c0, P)
