@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services import kernels
+
 DEFAULT_BLOCK_SIZE = 256
 MAX_BLOCK_SIZE = 1 << 20
 # Values decoded a chunk: their float32 values (512 KiB) stay in cache between the steps,
@@ -174,6 +176,19 @@ def scale_blocks(values: np.ndarray, scales: np.ndarray, block_size: int, out: n
 
 
 @dataclass(frozen=True)
+class Fused:
+    """A codec's compiled one-pass decoders (services.kernels), for blocks of whole bytes."""
+
+    into: Callable[[np.ndarray, np.float32, np.ndarray, np.ndarray, int], float]
+    decode: Callable[[np.ndarray, np.ndarray, np.ndarray, int], None]
+    codes: type[np.integer]  # what the packed body is read as
+
+
+INT8_FUSED = Fused(kernels.int8_into, kernels.int8_decode, np.int8)
+NIBBLE_FUSED = Fused(kernels.nibble_into, kernels.nibble_decode, np.uint8)
+
+
+@dataclass(frozen=True)
 class Blockwise:
     """The decoding side of a blockwise codec."""
 
@@ -181,6 +196,10 @@ class Blockwise:
     per_byte: int  # codes a byte
     largest_level: float  # the largest |level| of any code
     levels: Levels
+    fused: Fused | None = None  # compiled decoders, where the codec has them
+
+    def _fused(self, block_size: int) -> Fused | None:
+        return self.fused if block_size % self.per_byte == 0 else None
 
     def parts(self, payload: bytes, n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
         """The checked scales and the packed codes of a payload."""
@@ -207,6 +226,11 @@ class Blockwise:
 
     def decode(self, payload: bytes, n: int, block_size: int) -> np.ndarray:
         scales, body = self.parts(payload, n, block_size)
+        fused = self._fused(block_size)
+        if fused is not None:
+            decoded = np.empty(n, np.float32)
+            fused.decode(decoded, body.view(fused.codes), scales, block_size)
+            return decoded
         step = self._chunk(block_size)
         scratch = _Scratch(min(step, n + self.per_byte))
         out = np.empty(body.size * self.per_byte, np.float32)  # table lookups write whole bytes
@@ -235,6 +259,9 @@ class Blockwise:
         largest = float(scales.max()) * self.largest_level if scales.size else 0.0
         check_limit(largest, weight, limit, self.what)
         w = np.float32(weight)
+        fused = self._fused(block_size)
+        if fused is not None:
+            return float(fused.into(whole, w, body.view(fused.codes), scales, block_size))
         step = self._chunk(block_size)
         scratch = _Scratch(min(step, count + self.per_byte))
         squares = 0.0

@@ -21,9 +21,12 @@ import ml_dtypes
 import numpy as np
 import xxhash
 
+from services import kernels
 from services.blockwise import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
 from services.blockwise import (
     FLOAT32_MAX,
+    INT8_FUSED,
+    NIBBLE_FUSED,
     Blockwise,
     blocks_of,
     byte_table,
@@ -347,8 +350,7 @@ class Codec:
         part = target(acc, segment.offset, segment.count, self.name)
         check_limit(float(np.abs(values).max()) if values.size else 0.0, weight, limit, self.name)
         squares = float(np.dot(values, values))
-        np.multiply(values, np.float32(weight), out=values)
-        np.add(part, values, out=part)
+        kernels.add_weighed(part, values, np.float32(weight))
         return squares
 
 
@@ -370,13 +372,16 @@ REGISTRY: dict[str, Codec] = {
             _check_float(2, ml_dtypes.bfloat16, "bf16"),
         ),
         Codec.of_blocks(
-            "int8", fragment_pb2.CODEC_INT8, _encode_int8, Blockwise("int8", 1, 127.0, int8_levels)
+            "int8",
+            fragment_pb2.CODEC_INT8,
+            _encode_int8,
+            Blockwise("int8", 1, 127.0, int8_levels, INT8_FUSED),
         ),
         Codec.of_blocks(
             "int4-uniform",
             fragment_pb2.CODEC_INT4,
             _encode_int4,
-            Blockwise("int4", 2, 8.0, offset_nibble_levels),
+            Blockwise("int4", 2, 8.0, offset_nibble_levels, NIBBLE_FUSED),
         ),
         Codec.of_blocks("e3m0", fragment_pb2.CODEC_E3M0, _encode_e3m0, _E3M0),
         Codec.of_blocks("int2", fragment_pb2.CODEC_INT2, _encode_int2, _INT2),

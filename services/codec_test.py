@@ -302,7 +302,9 @@ def _unpacked_reference(name: str, payload: bytes, n: int, block: int) -> np.nda
 
 
 @pytest.mark.parametrize("name", ["int8", "int4-uniform", "e3m0", "int2", "sign"])
-@pytest.mark.parametrize(("n", "block"), [(0, 256), (1, 1), (7, 3), (1001, 7), (70_001, 256)])
+@pytest.mark.parametrize(
+    ("n", "block"), [(0, 256), (1, 1), (7, 3), (1001, 7), (1001, 64), (70_001, 256)]
+)
 def test_table_decoders_are_bit_identical_to_unpacking_each_value(
     name: str, n: int, block: int
 ) -> None:
