@@ -98,7 +98,7 @@ def _absmax_blocks(x: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarr
 ENCODE_CHUNK = 1 << 16
 # Only a block's scale below this lets a value under float32's smallest normal round to a
 # nonzero code (|value * (1 / scale)| >= 1/2): such blocks are encoded again, flushed.
-_SMALL_SCALE = np.float32(2.0**-124)
+SMALL_SCALE = np.float32(2.0**-124)
 
 
 def uniform_payload(x: np.ndarray, block_size: int, largest: int, per_byte: int) -> bytes:
@@ -133,7 +133,7 @@ def uniform_payload(x: np.ndarray, block_size: int, largest: int, per_byte: int)
         recip = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
         codes = buf[:m]
         scale_blocks(chunk, recip, block_size, codes)
-        for b in np.flatnonzero((scale > 0) & (scale < _SMALL_SCALE)):
+        for b in np.flatnonzero((scale > 0) & (scale < SMALL_SCALE)):
             values = chunk[b * block_size : (b + 1) * block_size]
             tiny = np.where(np.abs(values) < FLOAT32_TINY, np.float32(0), values)
             np.multiply(tiny, recip[b], out=codes[b * block_size : (b + 1) * block_size])

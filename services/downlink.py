@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.codec import Codec, Segment, segment_values
+from services import kernels
+from services.blockwise import blocks_of
+from services.codec import FLOAT32_TINY, SMALL_SCALE, Codec, Segment, segment_values
+
+# Downlink codecs with a compiled outer step: their largest code and codes a byte.
+_UNIFORM = {"int8": (127, 1), "int4-uniform": (7, 2)}
 
 
 def step_segment(
@@ -26,6 +31,55 @@ def step_segment(
     np.add(theta, decoded, out=theta, dtype=np.float32)
     np.subtract(want, decoded, out=residual, dtype=np.float32)
     return data
+
+
+def fused_step(
+    total: np.ndarray,
+    factor: float,
+    trace: np.ndarray | None,
+    momentum: float,
+    lr: float,
+    residual: np.ndarray,
+    theta: np.ndarray,
+    codec: Codec,
+    block_size: int,
+) -> bytes | None:
+    """In place over one segment, in one compiled pass: the outer gradient `total * factor`,
+    Nesterov SGD's move (its `trace` updated; None without momentum), then `step_segment`
+    on that move plus `residual`. Bit for bit what computing them one after another in
+    numpy gives (OuterOptimizer.move, step_segment). None for a codec or block size it has
+    no compiled step for: the caller takes the numpy path."""
+    f, mu, neg_lr = np.float32(factor), np.float32(momentum), np.float32(-lr)
+    no_trace = np.zeros(0, np.float32) if trace is None else trace
+    if codec.name == "fp32":
+        out = np.empty(total.size, "<f4")
+        kernels.fp32_step(total, f, no_trace, mu, neg_lr, residual, theta, out)
+        return out.tobytes()
+    if codec.name not in _UNIFORM:
+        return None
+    largest, per_byte = _UNIFORM[codec.name]
+    if block_size % per_byte:
+        return None
+    nb = blocks_of(total.size, block_size)
+    out = np.empty(4 * nb + -(-total.size // per_byte), np.uint8)
+    kernels.uniform_step(
+        total,
+        f,
+        no_trace,
+        mu,
+        neg_lr,
+        residual,
+        theta,
+        out[: 4 * nb].view("<f4"),
+        out[4 * nb :],
+        block_size,
+        largest,
+        per_byte,
+        np.float32(1 / largest),
+        FLOAT32_TINY,
+        SMALL_SCALE,
+    )
+    return out.tobytes()
 
 
 def apply_segment(

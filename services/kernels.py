@@ -137,3 +137,96 @@ def warm() -> None:
     nibble_decode(acc, payload, scales, 2)
     values = np.frombuffer(acc.tobytes(), np.float32)
     add_weighed(acc, values, np.float32(1))
+
+
+@_kernel
+def uniform_step(
+    total: np.ndarray,
+    factor: np.float32,
+    trace: np.ndarray,
+    momentum: np.float32,
+    neg_lr: np.float32,
+    residual: np.ndarray,
+    theta: np.ndarray,
+    scales: np.ndarray,
+    body: np.ndarray,
+    bs: int,
+    largest: int,
+    per_byte: int,
+    inverse: np.float32,
+    tiny: np.float32,
+    small: np.float32,
+) -> None:
+    """The synchronizer's outer step and downlink delta over one segment, one block at a
+    time, as services.downlink.step_segment does it after OuterOptimizer.move: g = total *
+    factor; with momentum, trace = trace * momentum + g and g += momentum * trace; want =
+    g * -lr + residual; want encoded (codec.uniform_payload's definition: per_byte 1 for
+    int8 codes, 2 for 4-bit codes + 8, two a byte), theta += decoded, residual = want -
+    decoded. bs must be even where per_byte is 2."""
+    n = total.size
+    want = np.empty(bs, np.float32)
+    pending = np.uint8(0)
+    for b in range(scales.size):
+        lo = b * bs
+        hi = min(lo + bs, n)
+        t = total[lo:hi]
+        r = residual[lo:hi]
+        th = theta[lo:hi]
+        top = np.float32(0.0)
+        for j in range(hi - lo):
+            g = t[j] * factor
+            if trace.size:
+                kept = trace[lo + j] * momentum + g
+                trace[lo + j] = kept
+                g = g + momentum * kept
+            w = g * neg_lr + r[j]
+            want[j] = w
+            top = max(top, abs(w))
+        scale = top * inverse
+        if scale < tiny:
+            scale = np.float32(0.0)
+        recip = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+        flush = scale > 0 and scale < small
+        scales[b] = scale
+        for j in range(hi - lo):
+            w = want[j]
+            v = np.float32(0.0) if flush and abs(w) < tiny else w
+            code = min(max(np.rint(v * recip), np.float32(-largest)), np.float32(largest))
+            level = np.int32(code)
+            decoded = np.float32(level) * scale
+            th[j] = th[j] + decoded
+            r[j] = w - decoded
+            i = lo + j
+            if per_byte == 1:
+                body[i] = np.uint8(level & 0xFF)
+            elif i % 2 == 0:
+                pending = np.uint8(level + 8)
+            else:
+                body[i // 2] = pending | np.uint8((level + 8) << 4)
+    if per_byte == 2 and n % 2:
+        body[n // 2] = pending
+
+
+@_kernel
+def fp32_step(
+    total: np.ndarray,
+    factor: np.float32,
+    trace: np.ndarray,
+    momentum: np.float32,
+    neg_lr: np.float32,
+    residual: np.ndarray,
+    theta: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """uniform_step for the fp32 downlink: the delta is want itself, theta += want, and the
+    residual is want - want (zero)."""
+    for i in range(total.size):
+        g = total[i] * factor
+        if trace.size:
+            kept = trace[i] * momentum + g
+            trace[i] = kept
+            g = g + momentum * kept
+        w = g * neg_lr + residual[i]
+        out[i] = w
+        theta[i] = theta[i] + w
+        residual[i] = w - w

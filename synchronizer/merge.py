@@ -131,6 +131,11 @@ class Accumulator:
         out: np.ndarray = self.total[start:end] * np.float32(scale / self.weight)
         return out
 
+    def gradient_factor(self, scale: float) -> float | None:
+        """What `outer_gradient` multiplies `total` by, where that is all it does (a compiled
+        outer step then computes it on the way); None where it does more."""
+        return scale / self.weight
+
 
 @dataclass
 class RadialAccumulator(Accumulator):
@@ -199,6 +204,9 @@ class RadialAccumulator(Accumulator):
             part = self.total[int(self._starts[t]) : int(self._starts[t + 1])]
             self.direction_norms[t] = float(np.linalg.norm(part.astype(np.float64)))
 
+    def gradient_factor(self, scale: float) -> float | None:
+        return None  # a factor per tensor
+
     def outer_gradient(self, start: int, end: int, scale: float) -> np.ndarray:
         out = np.zeros(end - start, np.float32)
         t = int(np.searchsorted(self._starts, start, side="right")) - 1
@@ -252,6 +260,10 @@ class OuterOptimizer:
 
     def init(self, theta: np.ndarray) -> list[np.ndarray]:
         return [np.zeros_like(theta, np.float32)] if self.momentum else []
+
+    def trace(self, state: list[np.ndarray], s: slice) -> np.ndarray | None:
+        """The momentum trace over values `s` (a view), None without momentum."""
+        return state[0][s] if self.momentum else None
 
     def move(self, state: list[np.ndarray], outer_gradient: np.ndarray, s: slice) -> np.ndarray:
         """The step -lr*update over values `s` (outer_gradient is that slice, scratch);

@@ -1,6 +1,8 @@
 import numpy as np
 import pytest
 
+from services.codec import by_name
+from services.downlink import fused_step, step_segment
 from synchronizer.merge import (
     MERGE_RULES,
     OuterOptimizer,
@@ -118,3 +120,65 @@ def test_staleness_decay_weighs_late_updates_less() -> None:
         [([1.0, 1.0], 10, 100), ([0.0, 0.0], 10, 100)], weights=[w, w * staleness_weight(2, 0.5)]
     )
     np.testing.assert_allclose(out, [0.8, 0.8], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8", "int4-uniform"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize(("n", "block"), [(1, 256), (1001, 64), (70_001, 256)])
+def test_the_compiled_outer_step_is_the_numpy_one_bit_for_bit(
+    name: str, momentum: float, n: int, block: int
+) -> None:
+    """fused_step against OuterOptimizer.move then step_segment, as the owner ran them: the
+    payload, the new value, the residual and the trace, byte for byte, through zero blocks,
+    subnormal ones and blocks whose scale is below 2^-124."""
+    codec = by_name(name)
+    rng = np.random.default_rng(n)
+    total = rng.standard_t(3, size=n).astype(np.float32)
+    theta = rng.normal(size=n).astype(np.float32)
+    residual = rng.normal(scale=1e-3, size=n).astype(np.float32)
+    trace = rng.normal(size=n).astype(np.float32)
+    if n >= 4 * block:
+        special = slice(0, 4 * block)
+        residual[special], trace[special], total[:block] = 0.0, 0.0, 0.0
+        total[block : 2 * block] = np.float32(1e-41)
+        # Blocks whose scale lands between the smallest normal and 2^-124: for 4-bit codes,
+        # then for int8 (times the factor and lr below, 0.481), with subnormals among them.
+        for b, top in ((2, 4.2e-37), (3, 6.2e-36)):
+            tiny = rng.uniform(-top, top, size=block).astype(np.float32)
+            tiny[0], tiny[1::7] = np.float32(top), np.float32(1e-42)
+            total[b * block : (b + 1) * block] = tiny
+    factor, lr = 0.37, 1.3
+    optimizer = OuterOptimizer(lr, momentum)
+
+    state = [trace.copy()] if momentum else []
+    want_theta, want_residual = theta.copy(), residual.copy()
+    every = slice(0, n)
+    move = optimizer.move(state, total * np.float32(factor), every)
+    np.add(move, want_residual, out=move)
+    payload = step_segment(want_theta, move, want_residual, codec, block)
+
+    got_trace = trace.copy()
+    got_theta, got_residual = theta.copy(), residual.copy()
+    data = fused_step(
+        total,
+        factor,
+        got_trace if momentum else None,
+        momentum,
+        lr,
+        got_residual,
+        got_theta,
+        codec,
+        block,
+    )
+    assert data == payload
+    assert got_theta.tobytes() == want_theta.tobytes()
+    assert got_residual.tobytes() == want_residual.tobytes()
+    if momentum:
+        assert got_trace.tobytes() == state[0].tobytes()
+
+
+def test_codecs_without_a_compiled_step_are_left_to_numpy() -> None:
+    x = np.ones(8, np.float32)
+    assert fused_step(x, 1.0, None, 0.0, 1.0, x.copy(), x.copy(), by_name("int2"), 4) is None
+    # 4-bit codes with an odd block: a block is not whole bytes
+    assert fused_step(x, 1.0, None, 0.0, 1.0, x.copy(), x.copy(), by_name("int4"), 3) is None

@@ -29,7 +29,7 @@ import xxhash
 from services import codec as codecs
 from services import telemetry as tm
 from services.config import JobConfig
-from services.downlink import step_segment
+from services.downlink import fused_step, step_segment
 from services.tape import Tape
 from synchronizer.merge import (
     MERGE_RULES,
@@ -552,8 +552,24 @@ class FragmentOwner:
             self.downlink, self.config.block_size, self.config.max_chunk_bytes
         )
 
+        factor = sealed.gradient_factor(scale)
+
         def one(start: int) -> codecs.Segment:
             s = slice(start, min(self.size, start + step))
+            if factor is not None:
+                data = fused_step(
+                    sealed.total[s],
+                    factor,
+                    self.optimizer.trace(self.state, s),
+                    self.optimizer.momentum,
+                    self.optimizer.lr,
+                    self.residual[s],
+                    self.theta[s],
+                    self.downlink,
+                    self.config.block_size,
+                )
+                if data is not None:
+                    return codecs.Segment(s.start, s.stop - s.start, data)
             move = self.optimizer.move(self.state, sealed.outer_gradient(s.start, s.stop, scale), s)
             np.add(move, self.residual[s], out=move)  # what earlier deltas lost
             data = step_segment(

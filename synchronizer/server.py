@@ -18,8 +18,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from redis.exceptions import RedisClusterException, RedisError
 
+from services import kernels, tls
 from services import telemetry as tm
-from services import tls
 from services.config import JobConfig, SynchronizerSettings
 from services.grpcopts import server_options, split_hostport
 from synchronizer.auth import Authenticator, load_tokens
@@ -115,6 +115,8 @@ async def serve(settings: SynchronizerSettings) -> None:
     if port == 0:
         raise SystemExit(f"cannot listen on {settings.listen}: the address is taken or invalid")
     service = SynchronizerService(settings, store, tensors, advertised(settings, port))
+    # The decoders compile (a machine's first run) or load from numba's cache meanwhile.
+    warming = asyncio.create_task(asyncio.to_thread(kernels.warm))
     await service.load_known_spec()
     if settings.init_from is not None:
         with np.load(settings.init_from) as npz:
@@ -146,6 +148,7 @@ async def serve(settings: SynchronizerSettings) -> None:
         if probes.add_insecure_port(settings.health_listen) == 0:
             raise SystemExit(f"cannot listen on --health-listen {settings.health_listen}")
         await probes.start()
+    await warming
     await server.start()
     bound_metrics = metrics_server.server_port
     log.info(
