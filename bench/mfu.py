@@ -182,6 +182,10 @@ def _run_child(name: str, args: list[str], workdir: Path, timeout_s: float, thre
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     # The anchor gets the learner's CPU threads (the learner sets these itself).
     env["XLA_FLAGS"] = f"--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}"
+    # Every run on the same one device: the first GPU this bench may use (the anchor steps
+    # on one device, and a learner would otherwise spread over all it sees).
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    env["CUDA_VISIBLE_DEVICES"] = visible or "0"
     child = Child(name, atoll_command(*args), workdir / f"{name}.log", env).start()
     deadline = time.monotonic() + timeout_s
     while child.alive() and time.monotonic() < deadline:
