@@ -49,6 +49,10 @@ log = structlog.get_logger("atoll.synchronizer.owner")
 # Kept in the tensor store after a commit: the last two values and optimizer states (a fetch
 # may still be reading the one before), and deltas enough to catch a learner up.
 KEEP_VALUES = 2
+# The downlink residual (what encoding deltas has not yet sent) is written with every
+# RESIDUAL_EVERY-th version, not each: it is the largest object of a merge after the value,
+# and a new owner that loads an older one only resends up to a quantum per value once.
+RESIDUAL_EVERY = 8
 KEEP_DELTAS = 10
 EVALUATE_EVERY_S = 0.1
 T_SYNC_DECAY = 0.8
@@ -156,6 +160,8 @@ class FragmentOwner:
         self.theta = np.zeros(0, np.float32)
         self.state: list[np.ndarray] = []
         self.residual = np.zeros(0, np.float32)
+        # The residual object the committed pointer names, and the version that wrote it.
+        self.residual_object: tuple[str, int] | None = None
         self.theta_norm = 0.0
         # Each learner's last accepted update's weight (as capped) on this fragment, and its
         # L2 norm with the inner steps it covered (`norm_bound`).
@@ -194,6 +200,9 @@ class FragmentOwner:
         n_opt = len(self.optimizer.init(self.theta[:0]))
         self.state = states[:n_opt] or self.optimizer.init(self.theta)
         self.residual = states[n_opt] if len(states) > n_opt else np.zeros_like(self.theta)
+        self.residual_object = (
+            (pointer.state[n_opt], pointer.version) if len(states) > n_opt else None
+        )
         self.version = pointer.version
         self.opened_at = time.monotonic()
         log.info("fragment_loaded", fragment=self.fragment, version=self.version, epoch=self.epoch)
@@ -601,15 +610,17 @@ class FragmentOwner:
         job, p, e = self.store.job, self.fragment, self.epoch
         value_name = object_name(job, p, version, e, "value")
         delta_name = object_name(job, p, version, e, "delta")
-        state_names = tuple(
-            object_name(job, p, version, e, f"state{i}") for i in range(len(self.state) + 1)
-        )
+        written = [
+            (object_name(job, p, version, e, f"state{i}"), a) for i, a in enumerate(self.state)
+        ]
+        residual = self.residual_object
+        if residual is None or version - residual[1] >= RESIDUAL_EVERY:
+            residual = (object_name(job, p, version, e, f"state{len(self.state)}"), version)
+            written.append((residual[0], self.residual))
+        state_names = (*(name for name, _ in written[: len(self.state)]), residual[0])
         await asyncio.gather(
             self.tensors.put(value_name, self.theta),
-            *(
-                self.tensors.put(name, array)
-                for name, array in zip(state_names, [*self.state, self.residual], strict=True)
-            ),
+            *(self.tensors.put(name, array) for name, array in written),
             self.tensors.put(delta_name, codecs.pack_segments(delta)),
         )
         useful = sum(u.compute_seconds for u in updates) / max(1, self.fragments)
@@ -652,9 +663,9 @@ class FragmentOwner:
             self.lost = True
             tm.MERGE_ABORTS.inc()
             log.warning("merge_aborted", fragment=p, status=status, version=now_version)
-            await self.tensors.delete([value_name, delta_name, *state_names])
+            await self.tensors.delete([value_name, delta_name, *(n for n, _ in written)])
             raise OwnerLost(f"fragment {p}: commit refused ({status})")
-        self.version = version
+        self.version, self.residual_object = version, residual
         tm.USEFUL_SECONDS.inc(useful)
         seconds = time.monotonic() - started
         self.t_sync_s = (
@@ -682,10 +693,12 @@ class FragmentOwner:
         """Delete objects of versions older than the ones kept."""
         prefix = f"{self.store.job}/fragment-{self.fragment:05d}/"
         try:
+            kept = self.residual_object[0] if self.residual_object else None
             old = [
                 n
                 for n in await self.tensors.names(prefix)
                 if version_of(n) <= version - (KEEP_DELTAS if n.endswith(".delta") else KEEP_VALUES)
+                and n != kept
             ]
             await self.tensors.delete(old)
         except Exception as err:  # garbage is collected next time
