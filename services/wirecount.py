@@ -25,6 +25,15 @@ def counting_serializer(
     return wrapped
 
 
+def passing_bytes(serialize: Callable[[M], bytes]) -> Callable[[M | bytes], bytes]:
+    """`serialize`, except for a message serialized already (bytes), which passes as it is."""
+
+    def wrapped(message: M | bytes) -> bytes:
+        return message if isinstance(message, bytes) else serialize(message)
+
+    return wrapped
+
+
 def counting_parser(
     parse: Callable[[bytes], Any], count: Callable[[int], None]
 ) -> Callable[[bytes], Any]:

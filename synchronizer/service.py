@@ -19,7 +19,7 @@ from services.config import SynchronizerSettings
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
 from services.tape import Tape
-from services.wirecount import counting_parser, counting_serializer
+from services.wirecount import counting_parser, counting_serializer, passing_bytes
 from synchronizer.ingest import Ingest
 from synchronizer.owner import FragmentOwner
 from synchronizer.ownership import Ownership
@@ -127,7 +127,7 @@ class SynchronizerService:
                 self.sessions.Session,
                 request_deserializer=counting_parser(session_pb2.LearnerMessage.FromString, up),
                 response_serializer=counting_serializer(
-                    session_pb2.SynchronizerMessage.SerializeToString, down
+                    passing_bytes(session_pb2.SynchronizerMessage.SerializeToString), down
                 ),
             ),
             "Ingest": grpc.stream_unary_rpc_method_handler(

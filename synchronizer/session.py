@@ -108,7 +108,8 @@ def busy(slot: str) -> SessionClosed:
 class Connection:
     learner: str
     incarnation: str
-    outbox: asyncio.Queue[session_pb2.SynchronizerMessage | SessionClosed | None] = field(
+    # Messages, or messages serialized once for every learner they go to (fragment chunks).
+    outbox: asyncio.Queue[session_pb2.SynchronizerMessage | bytes | SessionClosed | None] = field(
         default_factory=asyncio.Queue
     )
     sent_versions: dict[int, int] = field(default_factory=dict)
@@ -123,7 +124,7 @@ class Connection:
     def prefix(self) -> str:
         return f"{self.learner}/{self.incarnation}/"
 
-    def send(self, message: session_pb2.SynchronizerMessage) -> None:
+    def send(self, message: session_pb2.SynchronizerMessage | bytes) -> None:
         if self.outbox.qsize() > OUTBOX_LIMIT:
             self.outbox.put_nowait(
                 SessionClosed(
@@ -133,6 +134,19 @@ class Connection:
             )
             return
         self.outbox.put_nowait(message)
+
+
+async def _serialized(
+    chunks: list[fragment_pb2.GlobalFragmentChunk],
+) -> list[tuple[int, bytes]]:
+    """Each chunk's version and its SynchronizerMessage's bytes (off the event loop: a
+    whole value is gigabytes)."""
+    return await asyncio.to_thread(
+        lambda: [
+            (c.version, session_pb2.SynchronizerMessage(fragment=c).SerializeToString())
+            for c in chunks
+        ]
+    )
 
 
 def value_chunks(
@@ -211,7 +225,9 @@ class Sessions:
         context: grpc.aio.ServicerContext[
             session_pb2.LearnerMessage, session_pb2.SynchronizerMessage
         ],
-    ) -> AsyncIterator[session_pb2.SynchronizerMessage]:
+    ) -> AsyncIterator[session_pb2.SynchronizerMessage | bytes]:
+        """A learner's control session; what it yields is serialized by the handler (bytes,
+        serialized once for several learners, pass as they are)."""
         try:
             first = await asyncio.wait_for(anext(request_iterator), self.settings.hello_timeout_s)
         except StopAsyncIteration:
@@ -532,8 +548,10 @@ class Sessions:
     async def _push(self, fragment: int, version: int, layout: FragmentLayout) -> None:
         """Bring every learner this replica serves to the fragment's newest version: the
         encoded deltas since the version it was last sent, or the whole value."""
-        full: list[fragment_pb2.GlobalFragmentChunk] = []  # read only if someone needs it
-        deltas: dict[int, list[fragment_pb2.GlobalFragmentChunk] | None] = {}
+        # Each read only if someone needs it, and serialized once for all: learners share
+        # the bytes (a whole value is the model's size; one copy per learner would not fit).
+        full: list[tuple[int, bytes]] = []
+        deltas: dict[int, list[tuple[int, bytes]] | None] = {}
         for conn in list(self.connections.values()):
             last = conn.sent_versions.get(fragment, -1)
             if last >= version:
@@ -543,7 +561,7 @@ class Sessions:
                 notice = session_pb2.FragmentVersion(fragment=fragment, version=version)
                 conn.send(session_pb2.SynchronizerMessage(version=notice))
                 continue
-            chunks: list[fragment_pb2.GlobalFragmentChunk] = []
+            chunks: list[tuple[int, bytes]] = []
             if last >= 0 and version - last <= MAX_DELTA_CHAIN:
                 entries = {
                     int(e["version"]): e
@@ -551,18 +569,19 @@ class Sessions:
                 }
                 for v in range(last + 1, version + 1):
                     if v not in deltas:
-                        deltas[v] = await self._delta(fragment, v, entries.get(v), layout)
-                    step = deltas[v]
-                    if step is None:  # no longer kept: the whole value instead
+                        step = await self._delta(fragment, v, entries.get(v), layout)
+                        deltas[v] = None if step is None else await _serialized(step)
+                    serialized = deltas[v]
+                    if serialized is None:  # no longer kept: the whole value instead
                         chunks = []
                         break
-                    chunks += step
+                    chunks += serialized
             if not chunks:
-                full = full or await self.fragment_chunks(fragment)
+                full = full or await _serialized(await self.fragment_chunks(fragment))
                 chunks = full
-            conn.sent_versions[fragment] = max(version, chunks[0].version)
-            for chunk in chunks:
-                conn.send(session_pb2.SynchronizerMessage(fragment=chunk))
+            conn.sent_versions[fragment] = max(version, chunks[0][0])
+            for _, data in chunks:
+                conn.send(data)
 
     async def _delta(
         self, fragment: int, version: int, entry: dict[str, Any] | None, layout: FragmentLayout
