@@ -9,8 +9,17 @@ import pytest
 
 from cluster.processes import SynchronizerChild, synchronizer_child
 from cluster.redis_server import RedisServer
+from services import kernels
 
 SpawnSynchronizer = Callable[..., SynchronizerChild]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels() -> None:
+    """The synchronizer's compiled decoders, once, into numba's on-disk cache: every replica
+    a test starts then loads them instead of compiling (a first compile takes seconds on a
+    busy machine, which tests that time a replica's start would count)."""
+    kernels.warm()
 
 
 @pytest.fixture
