@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import time
@@ -22,6 +23,7 @@ from learner.client import SessionError, SynchronizerClient
 from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from synchronizer import inspect
+from synchronizer.tensors import version_of
 from tests import support
 from tests.conftest import SpawnSynchronizer
 
@@ -489,6 +491,36 @@ def test_learners_rebuild_every_global_version_bit_for_bit_from_compressed_delta
     finally:
         for c in (c0, c1):
             c.close()
+
+
+def test_the_residual_is_stored_every_eighth_version_and_the_pointer_names_one_that_exists(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    """A merge writes the new value and delta; the downlink residual only with every
+    RESIDUAL_EVERY-th version (owner.py). Whatever the pointer names is in the store, and
+    old objects are collected."""
+    sync = spawn_synchronizer("--fragments", "1", "--grace-seconds", "0")
+    c = support.client([sync.address], "l0")
+    r = redis.Redis(port=redis_server.port)
+    rounds = 20
+    root = sync.log_path.parent / "tensors"
+    folder = root / "default" / "fragment-00000"
+    try:
+        support.initialize(c, 1)
+        for v in range(rounds):  # each update is its own round (quorum 1)
+            c.wait_ack(support.send_delta(c, 0, 1, support.version(r, 0), seed=v), 10)
+            wait_until(lambda v=v: support.version(r, 0) >= v + 1, what=f"version {v + 1}")
+        state = str(r.hget(support.KEYS.frag(0), "state"), "utf-8").split(",")
+        assert [int(str(e["version"])) for e in support.commit_log(r, 0)][-1] == rounds
+        assert all((root / name).exists() for name in state), state
+        named = version_of(state[-1])  # the residual (no momentum: the only state)
+        assert 0 < rounds - named < 8 or named == rounds, named
+        wait_until(lambda: len(list(folder.glob("*.state0"))) <= 2, what="old residuals collected")
+        kept = sorted(version_of(p.name) for p in folder.glob("*.state0"))
+        assert named in kept
+        assert all(b - a >= 8 for a, b in itertools.pairwise(kept)), kept
+    finally:
+        c.close()
 
 
 def test_a_joiner_holding_the_initial_values_gets_them_confirmed_not_sent(
