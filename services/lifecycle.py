@@ -4,7 +4,9 @@ reuses the MiB-sized buffers payloads travel in (`reuse_large_buffers`).
 `atoll up` and the benchmarks start their children in new sessions (so a signal aimed at one
 child reaches only it) and put their own PID in `ATOLL_PARENT_PID`. If that parent dies
 without stopping them (SIGKILL, a crash), the children notice they were re-parented and
-stop themselves with SIGTERM, so nothing is left running.
+stop themselves with SIGTERM, and end regardless once a grace period has passed (an orphaned
+learner's final sync would otherwise wait for synchronizers that are gone), so nothing is
+left running: on a GPU, nothing left holding its memory.
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ import time
 PARENT_ENV = "ATOLL_PARENT_PID"
 
 
-def watch_parent(interval_s: float = 1.0) -> None:
-    """If started by an atoll parent, SIGTERM this process once that parent is gone."""
+# How long an orphan's orderly stop may take before it ends regardless: a learner's final
+# sync waits for a synchronizer tier that, when their parent died, went with it.
+ORPHAN_GRACE_S = 30.0
+
+
+def watch_parent(interval_s: float = 1.0, grace_s: float = ORPHAN_GRACE_S) -> None:
+    """If started by an atoll parent, SIGTERM this process once that parent is gone, and
+    end it `grace_s` later if it is still running."""
     expected = os.environ.get(PARENT_ENV)
     if not expected:
         return
@@ -29,6 +37,8 @@ def watch_parent(interval_s: float = 1.0) -> None:
         while os.getppid() == parent:
             time.sleep(interval_s)
         os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(128 + signal.SIGTERM)
 
     threading.Thread(target=watch, name="atoll-parent-watch", daemon=True).start()
 
