@@ -123,7 +123,10 @@ class JobConfig(BaseModel):
         description="an update s versions behind weighs decay^s in its round; 1: no decay",
     )
     max_staleness: int = Field(
-        8, ge=0, description="updates more versions behind than this are refused"
+        8,
+        ge=0,
+        description="updates more versions behind than this are refused (not one received "
+        "before by an owner that then died: it merges when sent again)",
     )
     max_chunk_bytes: int = Field(
         DEFAULT_MAX_CHUNK_BYTES, ge=1024, le=1 << 22, description="payload chunk size on the wire"

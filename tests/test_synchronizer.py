@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import signal
@@ -23,6 +24,7 @@ from learner.client import SessionError, SynchronizerClient
 from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from synchronizer import inspect
+from synchronizer.store import open_store
 from synchronizer.tensors import version_of
 from tests import support
 from tests.conftest import SpawnSynchronizer
@@ -581,3 +583,39 @@ def test_one_joining_learner_at_a_time_is_asked_for_the_initial_parameters(
     finally:
         first.close()
         second.close()
+
+
+def test_a_resend_whose_round_died_with_its_owner_is_taken_however_far_the_fragment_moved(
+    redis_server: RedisServer,
+) -> None:
+    """An update received by an owner that then died is sent again to the next owner; the
+    fragment may have moved past the staleness bound meanwhile (the other learners' rounds
+    went on). It was admitted once, so it is taken (received, to merge), where a new update
+    as stale is refused: otherwise an acknowledged update would never be merged."""
+
+    async def go() -> tuple[str, str, str]:
+        store = open_store(redis_server.url, "default")
+        try:
+            await store.init_fragment(0, "value", ("state0",))
+            update = {
+                "learner": "l0",
+                "incarnation": "i0",
+                "seq": 1,
+                "checksum": 7,
+                "base_version": 0,
+                "max_staleness": 2,
+                "record": {"weight": 1.0},
+                "generation": 1,
+            }
+            await store.redis.set(support.KEYS.owner(0), "replica-a 1")
+            first, _ = await store.receive(0, "replica-a", 1, **update)  # type: ignore[arg-type]
+            # replica-a dies; replica-b owns the fragment, which moves on 5 versions
+            await store.redis.set(support.KEYS.owner(0), "replica-b 2")
+            await store.redis.hset(support.KEYS.frag(0), "version", 5)
+            again, _ = await store.receive(0, "replica-b", 2, **update)  # type: ignore[arg-type]
+            fresh, _ = await store.receive(0, "replica-b", 2, **{**update, "seq": 2})  # type: ignore[arg-type]
+            return first, again, fresh
+        finally:
+            await store.redis.aclose()
+
+    assert asyncio.run(go()) == ("received", "received", "stale")

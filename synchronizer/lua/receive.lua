@@ -13,7 +13,8 @@
 --       incarnation, generation ('': not looked up; 0: the slot never said hello), ttl_s
 -- Returns: {status, version}: received | duplicate (committed already) | again (received
 --   under this epoch already) | checksum (a retry with other bytes) | not_owner |
---   uninitialized | future | stale | new_incarnation (look the slot's incarnation up) |
+--   uninitialized | future | stale (not for a resend of an update received under an earlier
+--   epoch) | new_incarnation (look the slot's incarnation up) |
 --   superseded (a newer incarnation of the slot sends here)
 local v = redis.call('HGET', KEYS[1], 'version')
 if redis.call('GET', KEYS[2]) ~= ARGV[1] .. ' ' .. ARGV[2] then
@@ -40,7 +41,9 @@ if seen then
 end
 local base = tonumber(ARGV[6])
 if base > v then return {'future', v} end
-if v - base > tonumber(ARGV[7]) then return {'stale', v} end
+-- A resend of an update received under an earlier epoch (its round died with that owner)
+-- was admitted once: it merges now however far the fragment moved meanwhile.
+if not seen and v - base > tonumber(ARGV[7]) then return {'stale', v} end
 if not seen then redis.call('HINCRBY', KEYS[5], 'updates_accepted', 1) end
 redis.call('HSET', KEYS[4], ARGV[4], ARGV[2] .. ' ' .. ARGV[5] .. ' r')
 redis.call('EXPIRE', KEYS[4], tonumber(ARGV[11]))
