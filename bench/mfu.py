@@ -8,8 +8,9 @@ Per model size, four runs, each its own process, one after the other on the same
 - the learner syncing to a local synchronizer (Redis, one replica);
 - the same with local checkpoints on (the learner's defaults: every step, at most one a
   second, written off the loop).
-Each learner reports its steady rate (steps and wall time after its first steps, every hook
-and checkpoint included). `ratio` = synced-and-checkpointing learner / anchor;
+Each learner reports its steady rate (steps and wall time once every fragment has synced
+twice, 2 x H + 5 steps: its first encodings compile, as the anchor's first steps do; every
+hook, sync and checkpoint after that included). `ratio` = synced-and-checkpointing learner / anchor;
 `sync_overhead` = 1 - synced / alone; `checkpoint_overhead` = 1 - checkpointing / synced.
 MFU counts 6 x parameters + 12 x layers x context x width FLOPs per token against the
 device's peak (bf16 dense for H100/H200; on a CPU, a float32 matmul measured in the anchor).
@@ -222,10 +223,15 @@ def measure(settings: MfuBench, size: str, workdir: Path) -> dict[str, Any]:
         settings.threads,
     )
     anchor = json.loads(anchor_json.read_text())
+    # The learner's rate is measured once each fragment has synced twice: its first two
+    # encodings compile (as the anchor's first steps do, which it does not time either).
+    warm = 2 * settings.inner_steps + 5
     base = [
         *_learner_args(layers, width, heads, context, batch),
         "--steps",
-        str(settings.steps + 5),
+        str(settings.steps + warm),
+        "--rate-after-steps",
+        str(warm),
         "--threads",
         str(settings.threads),
     ]

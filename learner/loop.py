@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("atoll.learner")
 EMA_DECAY = 0.9
-WARM_STEPS = 5  # steps before the steady training rate is measured
 # At most this share of the loop's wall time has a checkpoint being taken: a checkpoint that
 # takes 3 s to write comes at most every 100 s (and never more often than
 # --checkpoint-seconds), so a large model's checkpoints never slow its steps much.
@@ -175,7 +174,7 @@ class InnerLoop:
             self.sync.joined(restored, self.step, self.tokens)
         self._compile_step(params, opt_state)
         steps = self.settings.steps
-        # The training rate as it runs: steps and wall time from the WARM_STEPS-th step on,
+        # The training rate as it runs: steps and wall time from the --rate-after-steps-th on,
         # every hook and checkpoint included (what `atoll bench mfu` compares).
         steady: tuple[int, float] | None = None
         # Pipelined: step N+1 is dispatched (and its batch copied in) before the host waits
@@ -185,7 +184,7 @@ class InnerLoop:
         in_flight: jax.Array | None = None
         done_at = time.monotonic()
         while not self.stop_requested.is_set() and (not steps or self.step < steps):
-            if steady is None and self.loop_steps_seen >= WARM_STEPS:
+            if steady is None and self.loop_steps_seen >= self.settings.rate_after_steps:
                 steady = (self.step, time.monotonic())
             self.loop_steps_seen += 1
             if self.sync is not None and self.sync.job_finished():

@@ -147,6 +147,12 @@ class LearnerSettings(ModelConfig, AtollSettings):
     )
     report: Path | None = Field(None, description="write this learner's summary JSON here")
     log_every: int = Field(10, ge=1, description="steps between loss points in the summary")
+    rate_after_steps: int = Field(
+        5,
+        ge=0,
+        description="steps before the report's steady training rate is measured (what "
+        "compiles on the first steps and syncs stays out of it)",
+    )
     standalone: bool = Field(
         False, description="train without a synchronizer (the baseline of `bench overlap`)"
     )
