@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,13 +36,6 @@ class Target:
         if self.role == "learner":
             labels |= {"pool": POOL}
         return {"targets": [self.address], "labels": labels}
-
-
-def free_port() -> int:
-    """A loopback port free now (a slot keeps it for every incarnation)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_file_sd(path: Path, targets: list[Target]) -> None:

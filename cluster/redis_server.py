@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -51,7 +52,30 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+LOWEST_PORT = 10000
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out as a connection's local port."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A loopback port free now, below the kernel's ephemeral range. A server restarted on
+    its port (Redis, a replica) must find it free again, but a client reconnecting to it
+    while it is down may be given that very port as its own local one, connect to itself
+    and hold it (then the restart fails: address in use). Ports the kernel never hands out
+    to clients cannot be taken that way."""
+    high = _ephemeral_low()
+    if high > LOWEST_PORT + 1000:
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randrange(LOWEST_PORT, high)
+            if _port_free(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -111,7 +135,12 @@ class RedisServer:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
                     err = self.process.stderr.read().decode() if self.process.stderr else ""
-                    raise RuntimeError(f"redis-server exited at start: {err.strip()}")
+                    log = self.workdir / "redis.log"
+                    tail = log.read_text(errors="replace")[-600:] if log.exists() else ""
+                    raise RuntimeError(
+                        f"redis-server on port {self.port} exited at start (status "
+                        f"{self.process.returncode}): {err.strip()} {tail.strip()}"
+                    )
                 with contextlib.suppress(redis.ConnectionError, redis.BusyLoadingError):
                     if client.ping():
                         return self
@@ -132,9 +161,19 @@ class RedisServer:
             self.process.kill()
             self.process.wait(timeout=5)
 
-    def restart(self, sig: int = signal.SIGTERM) -> RedisServer:
+    def restart(self, sig: int = signal.SIGTERM, attempts: int = 3) -> RedisServer:
+        """Stop (by `sig`) and start again on the same port. redis-server 7.0 sometimes
+        crashes (SIGSEGV) loading an append-only file while clients reconnect: a start that
+        ends by a signal is tried again, up to `attempts` times."""
         self.stop(sig)
-        return self.start()
+        for attempt in range(attempts):
+            try:
+                return self.start()
+            except RuntimeError:
+                crashed = self.process is not None and (self.process.returncode or 0) < 0
+                if not crashed or attempt == attempts - 1:
+                    raise
+        return self
 
     def __enter__(self) -> RedisServer:
         return self.start()

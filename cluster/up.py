@@ -27,7 +27,7 @@ import redis
 from cluster.chaos import NETWORK_KINDS, ChaosError, Fault, parse, schedule
 from cluster.export import export_model
 from cluster.faultproxy import FaultProxy
-from cluster.metrics import Target, free_port, write_file_sd
+from cluster.metrics import Target, write_file_sd
 from cluster.processes import (
     Child,
     SynchronizerChild,
@@ -37,7 +37,7 @@ from cluster.processes import (
     gpu_pinning,
     synchronizer_child,
 )
-from cluster.redis_server import RedisServer
+from cluster.redis_server import RedisServer, free_port
 from cluster.report import (
     build_report,
     check_invariants,

@@ -11,8 +11,7 @@ import uuid
 import pytest
 import redis
 
-from cluster.metrics import free_port
-from cluster.redis_server import RedisServer
+from cluster.redis_server import RedisServer, free_port
 from learner.client import SessionError, SynchronizerClient
 from services.gen.atoll.v1 import session_pb2
 from synchronizer import inspect

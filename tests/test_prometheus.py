@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from cluster.metrics import free_port
 from cluster.processes import atoll_command
+from cluster.redis_server import free_port
 from tests.test_up import SMALL
 
 PROMETHEUS = shutil.which("prometheus")
