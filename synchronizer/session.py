@@ -136,17 +136,18 @@ class Connection:
         self.outbox.put_nowait(message)
 
 
+def _serialize(chunks: list[fragment_pb2.GlobalFragmentChunk]) -> list[tuple[int, bytes]]:
+    """Each chunk's version and its SynchronizerMessage's bytes."""
+    return [
+        (c.version, session_pb2.SynchronizerMessage(fragment=c).SerializeToString()) for c in chunks
+    ]
+
+
 async def _serialized(
     chunks: list[fragment_pb2.GlobalFragmentChunk],
 ) -> list[tuple[int, bytes]]:
-    """Each chunk's version and its SynchronizerMessage's bytes (off the event loop: a
-    whole value is gigabytes)."""
-    return await asyncio.to_thread(
-        lambda: [
-            (c.version, session_pb2.SynchronizerMessage(fragment=c).SerializeToString())
-            for c in chunks
-        ]
-    )
+    """`_serialize` off the event loop (a whole value is gigabytes)."""
+    return await asyncio.to_thread(_serialize, chunks)
 
 
 def value_chunks(
@@ -570,7 +571,9 @@ class Sessions:
                 for v in range(last + 1, version + 1):
                     if v not in deltas:
                         step = await self._delta(fragment, v, entries.get(v), layout)
-                        deltas[v] = None if step is None else await _serialized(step)
+                        # Deltas are small: serialized here, with no wait that would
+                        # let a newer push to this fragment run in between.
+                        deltas[v] = None if step is None else _serialize(step)
                     serialized = deltas[v]
                     if serialized is None:  # no longer kept: the whole value instead
                         chunks = []
