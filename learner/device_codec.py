@@ -31,10 +31,10 @@ import numpy as np
 from jax import lax
 
 from services.blockwise import blocks_of, finite
-from services.codec import FLOAT32_TINY, Codec, Segment, segment_values
+from services.codec import FLOAT32_TINY, UNIFORM_CODES, Codec, Segment, segment_values
 
 # Codecs encoded on the device: the largest code of each uniform quantizer.
-LARGEST_CODE = {"int8": 127, "int4-uniform": 7}
+LARGEST_CODE = {name: largest for name, (largest, _) in UNIFORM_CODES.items()}
 NORM_ROWS = 1024  # values summed on the device per partial sum of squares
 
 

@@ -101,6 +101,11 @@ ENCODE_CHUNK = 1 << 16
 SMALL_SCALE = np.float32(2.0**-124)
 
 
+# The blockwise uniform codecs (uniform_payload): each one's largest code and codes a byte.
+# The learner's device encoder and the synchronizer's compiled outer step encode them too.
+UNIFORM_CODES: dict[str, tuple[int, int]] = {"int8": (127, 1), "int4-uniform": (7, 2)}
+
+
 def uniform_payload(x: np.ndarray, block_size: int, largest: int, per_byte: int) -> bytes:
     """Blockwise uniform quantization to codes -largest..largest, as a payload of the
     blocks' float32 scales then the codes (int8: one signed byte each; 4-bit: q + 8, two a
@@ -156,7 +161,7 @@ def uniform_payload(x: np.ndarray, block_size: int, largest: int, per_byte: int)
 
 def _encode_int8(x: np.ndarray, block_size: int) -> bytes:
     """Blockwise uniform 8-bit: codes -127..127 (uniform_payload), one signed byte each."""
-    return uniform_payload(x, block_size, 127, 1)
+    return uniform_payload(x, block_size, *UNIFORM_CODES["int8"])
 
 
 def _pack_nibbles(codes: np.ndarray) -> bytes:
@@ -176,7 +181,7 @@ def _unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
 
 def _encode_int4(x: np.ndarray, block_size: int) -> bytes:
     """Blockwise uniform 4-bit: codes q in -7..7 (uniform_payload), stored as q + 8."""
-    return uniform_payload(x, block_size, 7, 2)
+    return uniform_payload(x, block_size, *UNIFORM_CODES["int4-uniform"])
 
 
 E3M0_MIN_EXP = -6  # magnitudes absmax * 2^e for e in -6..0, and zero

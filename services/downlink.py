@@ -14,10 +14,14 @@ import numpy as np
 
 from services import kernels
 from services.blockwise import blocks_of
-from services.codec import FLOAT32_TINY, SMALL_SCALE, Codec, Segment, segment_values
-
-# Downlink codecs with a compiled outer step: their largest code and codes a byte.
-_UNIFORM = {"int8": (127, 1), "int4-uniform": (7, 2)}
+from services.codec import (
+    FLOAT32_TINY,
+    SMALL_SCALE,
+    UNIFORM_CODES,
+    Codec,
+    Segment,
+    segment_values,
+)
 
 
 def step_segment(
@@ -55,9 +59,9 @@ def fused_step(
         out = np.empty(total.size, "<f4")
         kernels.fp32_step(total, f, no_trace, mu, neg_lr, residual, theta, out)
         return out.tobytes()
-    if codec.name not in _UNIFORM:
+    if codec.name not in UNIFORM_CODES:
         return None
-    largest, per_byte = _UNIFORM[codec.name]
+    largest, per_byte = UNIFORM_CODES[codec.name]
     if block_size % per_byte:
         return None
     nb = blocks_of(total.size, block_size)
