@@ -147,6 +147,27 @@ def warm() -> None:
     fp32_step(acc, one, none, one, one, acc.copy(), acc.copy(), acc.copy())
 
 
+@njit(inline="always")
+def _want(
+    total: np.float32,
+    factor: np.float32,
+    trace: np.ndarray,
+    i: int,
+    momentum: np.float32,
+    neg_lr: np.float32,
+    residual: np.float32,
+) -> np.float32:
+    """One value's move plus its residual, as OuterOptimizer.move then the residual's add:
+    g = total * factor; with momentum (a trace to update) trace[i] = trace[i] * momentum +
+    g and g += momentum * trace[i]; then g * -lr + residual."""
+    g = total * factor
+    if trace.size:
+        kept = trace[i] * momentum + g
+        trace[i] = kept
+        g = g + momentum * kept
+    return g * neg_lr + residual
+
+
 @_kernel
 def uniform_step(
     total: np.ndarray,
@@ -182,12 +203,7 @@ def uniform_step(
         th = theta[lo:hi]
         top = np.float32(0.0)
         for j in range(hi - lo):
-            g = t[j] * factor
-            if trace.size:
-                kept = trace[lo + j] * momentum + g
-                trace[lo + j] = kept
-                g = g + momentum * kept
-            w = g * neg_lr + r[j]
+            w = _want(t[j], factor, trace, lo + j, momentum, neg_lr, r[j])
             want[j] = w
             top = max(top, abs(w))
         scale = top * inverse
@@ -229,12 +245,7 @@ def fp32_step(
     """uniform_step for the fp32 downlink: the delta is want itself, theta += want, and the
     residual is want - want (zero)."""
     for i in range(total.size):
-        g = total[i] * factor
-        if trace.size:
-            kept = trace[i] * momentum + g
-            trace[i] = kept
-            g = g + momentum * kept
-        w = g * neg_lr + residual[i]
+        w = _want(total[i], factor, trace, i, momentum, neg_lr, residual[i])
         out[i] = w
         theta[i] = theta[i] + w
         residual[i] = w - w
