@@ -133,7 +133,7 @@ def learner_flags(settings: QualityBench, m: int, steps: int) -> list[str]:
 
 def planned(settings: QualityBench) -> list[tuple[str, list[str]]]:
     """(name, flags) of each run this invocation makes, besides dp."""
-    learners = [*learner_flags(settings, settings.learners, steps_of(settings))]
+    learners = learner_flags(settings, settings.learners, steps_of(settings))
     learners += outer_flags(settings)
     out: list[tuple[str, list[str]]] = []
     for h in settings.inner_steps:
