@@ -19,7 +19,6 @@ Other codecs stay on the host (services.codec.ErrorFeedback).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,7 +34,6 @@ from services.codec import FLOAT32_TINY, UNIFORM_CODES, Codec, Segment, segment_
 
 # Codecs encoded on the device: the largest code of each uniform quantizer.
 LARGEST_CODE = {name: largest for name, (largest, _) in UNIFORM_CODES.items()}
-NORM_ROWS = 1024  # values summed on the device per partial sum of squares
 
 
 def supports(codec: Codec) -> bool:
@@ -75,14 +73,20 @@ def _flush_tiny(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(x) < FLOAT32_TINY, jnp.float32(0), x)
 
 
+def _scales_and_codes(blocks: jax.Array, largest: int) -> tuple[jax.Array, jax.Array]:
+    """Blocks (blocks x block_size, values below the smallest normal flushed) to their
+    scales and codes (float32), as services.codec.uniform_payload defines them."""
+    scales = _flush_tiny(jnp.max(jnp.abs(blocks), axis=1) * jnp.float32(1 / largest))
+    codes = jnp.round(blocks * reciprocal(scales)[:, None])  # to nearest, ties to even
+    return scales, jnp.clip(codes, -largest, largest)
+
+
 def uniform_codes(x: jax.Array, block_size: int, largest: int) -> tuple[jax.Array, jax.Array]:
     """The blocks' scales and the codes that services.codec.uniform_payload defines, on the
     device (the codes as float32, blocks x block_size, the last block padded with zeros)."""
     nb = blocks_of(x.size, block_size)
     blocks = jnp.pad(_flush_tiny(x), (0, nb * block_size - x.size)).reshape(nb, block_size)
-    scales = _flush_tiny(jnp.max(jnp.abs(blocks), axis=1) * jnp.float32(1 / largest))
-    codes = jnp.round(blocks * reciprocal(scales)[:, None])  # to nearest, ties to even
-    return scales, jnp.clip(codes, -largest, largest)
+    return _scales_and_codes(blocks, largest)
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,45 @@ class _Plan:
     tensor_sizes: tuple[int, ...]
 
     @property
+    def blocks(self) -> int:
+        return blocks_of(self.size, self.block_size)
+
+    @property
     def segments(self) -> int:
         return max(1, blocks_of(self.size, self.step))
+
+    @property
+    def packs_whole(self) -> bool:
+        """Whether int4's pairs never straddle a segment (even blocks): then the codes are
+        packed in one piece, and each segment's bytes are a slice of it."""
+        return self.block_size % 2 == 0
+
+    def pieces(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, list[int]]]]:
+        """How each tensor's sum of squares is read from the blocks' sums: the pieces of
+        blocks a tensor shares with another, as (block, first, end) offsets in it, and per
+        tensor (first whole block, end, its pieces' indexes)."""
+        pieces: list[tuple[int, int, int]] = []
+        tensors = []
+        start = 0
+        bs = self.block_size
+        for size in self.tensor_sizes:
+            end = start + size
+            first_whole, end_whole = -(-start // bs), end // bs
+            mine = []
+            if first_whole > end_whole:  # inside one block
+                mine.append(len(pieces))
+                pieces.append((start // bs, start % bs, end % bs))
+                first_whole = end_whole = 0
+            else:
+                if start % bs:
+                    mine.append(len(pieces))
+                    pieces.append((start // bs, start % bs, bs))
+                if end % bs:
+                    mine.append(len(pieces))
+                    pieces.append((end // bs, 0, end % bs))
+            tensors.append((first_whole, end_whole, mine))
+            start = end
+        return pieces, tensors
 
 
 def _unfused(x: jax.Array, zero: jax.Array) -> jax.Array:
@@ -108,12 +149,16 @@ def _unfused(x: jax.Array, zero: jax.Array) -> jax.Array:
 
 
 def _body(codes: jax.Array, plan: _Plan) -> jax.Array:
-    """The codes as the payloads' bytes: int8, one a byte; int4, q + 8 two a byte (the
-    first in the low nibble), each segment packed on its own (segments x bytes)."""
-    flat = codes.reshape(-1)[: plan.size]
+    """The codes (blocks x block_size) as the payloads' bytes: int8, one a byte; int4,
+    q + 8 two a byte (the first in the low nibble): packed whole (`packs_whole`: an odd
+    last segment's high nibble is cleared on the host), else each segment on its own
+    (segments x bytes)."""
     if plan.largest == LARGEST_CODE["int8"]:
-        return flat.astype(jnp.int8)
-    nibbles = (flat + 8).astype(jnp.uint8)
+        return codes.reshape(-1).astype(jnp.int8)
+    if plan.packs_whole:
+        pairs = (codes + 8).astype(jnp.uint8).reshape(-1, 2)
+        return pairs[:, 0] | (pairs[:, 1] << 4)
+    nibbles = (codes.reshape(-1)[: plan.size] + 8).astype(jnp.uint8)
     rows = jnp.pad(nibbles, (0, plan.segments * plan.step - plan.size))
     rows = rows.reshape(plan.segments, plan.step)
     if plan.step % 2:
@@ -122,39 +167,43 @@ def _body(codes: jax.Array, plan: _Plan) -> jax.Array:
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
-def _square_partials(decoded: jax.Array, plan: _Plan) -> jax.Array:
-    """Sums of squares over rows of NORM_ROWS values of each tensor, in order: the host
-    adds each tensor's in float64 (a float32 sum of millions of squares drifts)."""
-    parts = []
-    start = 0
-    for size in plan.tensor_sizes:
-        part = decoded[start : start + size]
-        start += size
-        rows = blocks_of(size, NORM_ROWS)
-        padded = jnp.pad(part, (0, rows * NORM_ROWS - size)).reshape(rows, NORM_ROWS)
-        parts.append(jnp.sum(padded * padded, axis=1))
-    return jnp.concatenate(parts) if parts else jnp.zeros(0, jnp.float32)
-
-
 def _feedback(
-    delta: jax.Array, residual: jax.Array | None, zero: jax.Array, plan: _Plan
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    corrected = delta if residual is None else delta + residual
-    scales, codes = uniform_codes(corrected, plan.block_size, plan.largest)
-    decoded = (codes * scales[:, None]).reshape(-1)[: plan.size]
-    decoded = _unfused(decoded, zero)
-    return scales, _body(codes, plan), _square_partials(decoded, plan), corrected - decoded
+    corrected: jax.Array, zero: jax.Array, plan: _Plan
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One encoding of `corrected` (blocks x block_size, zeros past the values): the
+    scales, the body, the blocks' sums of squares of what it decodes to and those of the
+    pieces of blocks tensors share, and the new residual (blocked as `corrected`)."""
+    scales, codes = _scales_and_codes(_flush_tiny(corrected), plan.largest)
+    decoded = _unfused(codes * scales[:, None], zero)
+    squares = decoded * decoded
+    pieces, _ = plan.pieces()
+    if pieces:  # the blocks tensors share, each masked to its piece: one gather, one sum
+        block, first, end = (np.array(column, np.int32) for column in zip(*pieces, strict=True))
+        column = lax.broadcasted_iota(jnp.int32, (len(pieces), plan.block_size), 1)
+        inside = (column >= first[:, None]) & (column < end[:, None])
+        shared = jnp.sum(jnp.where(inside, squares[block], 0), axis=1)
+    else:
+        shared = jnp.zeros(0, jnp.float32)
+    return scales, _body(codes, plan), jnp.sum(squares, axis=1), shared, corrected - decoded
+
+
+def _blocked(flat: list[jax.Array], plan: _Plan) -> jax.Array:
+    """Flat float32 pieces end to end, padded with zeros to whole blocks."""
+    tail = plan.blocks * plan.block_size - plan.size
+    parts = [*flat, jnp.zeros(tail, jnp.float32)] if tail else flat
+    joined = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    return joined.reshape(plan.blocks, plan.block_size)
+
+
+def _plus(x: jax.Array, residual: jax.Array | None) -> jax.Array:
+    return x if residual is None else x + residual
 
 
 @partial(jax.jit, static_argnames="plan")
 def _feedback_on_delta(
     delta: jax.Array, residual: jax.Array | None, zero: jax.Array, plan: _Plan
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    return _feedback(delta.astype(jnp.float32), residual, zero, plan)
-
-
-def _flat(leaves: Sequence[jax.Array]) -> jax.Array:
-    return jnp.concatenate([leaf.reshape(-1).astype(jnp.float32) for leaf in leaves])
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    return _feedback(_plus(_blocked([delta.astype(jnp.float32)], plan), residual), zero, plan)
 
 
 @partial(jax.jit, static_argnames="plan")
@@ -164,8 +213,12 @@ def _feedback_on_leaves(
     residual: jax.Array | None,
     zero: jax.Array,
     plan: _Plan,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    return _feedback(_flat(anchor) - _flat(theta), residual, zero, plan)
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    differences = [
+        a.reshape(-1).astype(jnp.float32) - t.reshape(-1).astype(jnp.float32)
+        for a, t in zip(anchor, theta, strict=True)
+    ]
+    return _feedback(_plus(_blocked(differences, plan), residual), zero, plan)
 
 
 def encode(codec: Codec, x: Any, block_size: int) -> bytes:
@@ -186,7 +239,8 @@ class DeviceFeedback:
     chunk_bytes: int = 1 << 20  # encoded bytes per segment, at most (one wire chunk each)
     tensor_sizes: tuple[int, ...] = ()  # the fragment's tensors, for `norms`
     norms: tuple[float, ...] = ()  # each tensor's L2 norm of what the last encoding decodes to
-    _residual: jax.Array | None = field(default=None, repr=False)
+    _residual: jax.Array | None = field(default=None, repr=False)  # blocked, zeros past _size
+    _size: int = field(default=0, repr=False)
     _zero: jax.Array = field(default_factory=lambda: jnp.zeros((), jnp.uint32), repr=False)
 
     def __post_init__(self) -> None:
@@ -195,11 +249,20 @@ class DeviceFeedback:
 
     @property
     def residual(self) -> np.ndarray | None:
-        return None if self._residual is None else np.asarray(self._residual)
+        if self._residual is None:
+            return None
+        return np.asarray(self._residual).reshape(-1)[: self._size]
 
     @residual.setter
     def residual(self, value: np.ndarray | None) -> None:
-        self._residual = None if value is None else jnp.asarray(value, jnp.float32)
+        if value is None:
+            self._residual = None
+            return
+        flat = np.asarray(value, np.float32).reshape(-1)
+        self._size = flat.size
+        tail = blocks_of(flat.size, self.block_size) * self.block_size - flat.size
+        blocked = np.pad(flat, (0, tail)).reshape(-1, self.block_size)
+        self._residual = jnp.asarray(blocked)
 
     def _plan(self, size: int) -> _Plan:
         step = segment_values(self.codec, self.block_size, self.chunk_bytes)
@@ -232,24 +295,44 @@ class DeviceFeedback:
         return self._finish(plan, out)
 
     def _finish(
-        self, plan: _Plan, out: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None
+        self,
+        plan: _Plan,
+        out: tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array] | None,
     ) -> list[Segment]:
         if out is None:  # an empty fragment: one empty segment, as the host encodes it
             self.norms = tuple(0.0 for _ in plan.tensor_sizes)
             return [Segment(0, 0, b"")]
-        scales, body, partials, residual = out
-        host_scales, host_body, host_partials = jax.device_get((scales, body, partials))
+        scales, body, block_squares, shared_squares, residual = out
+        host_scales, host_body, blocks, shared = jax.device_get(
+            (scales, body, block_squares, shared_squares)
+        )
         finite(host_scales)  # a diverged update is refused here, as the host encoder does
-        self._residual = residual
-        rows = np.cumsum([0] + [blocks_of(s, NORM_ROWS) for s in plan.tensor_sizes])
-        squares = host_partials.astype(np.float64)
-        self.norms = tuple(float(np.sqrt(squares[a:b].sum())) for a, b in itertools.pairwise(rows))
+        self._residual, self._size = residual, plan.size
+        self.norms = _norms(plan, blocks, shared)
         int8 = plan.largest == LARGEST_CODE["int8"]
         segments = []
         for k, start in enumerate(range(0, plan.size, plan.step)):
             count = min(plan.step, plan.size - start)
             first = start // plan.block_size
             head = host_scales[first : first + blocks_of(count, plan.block_size)]
-            codes = host_body[start : start + count] if int8 else host_body[k, : (count + 1) // 2]
+            if int8:
+                codes = host_body[start : start + count]
+            elif plan.packs_whole:
+                codes = host_body[start // 2 : (start + count + 1) // 2]
+                if count % 2:  # the last code's partner is padding: its nibble is 0
+                    codes = codes.copy()
+                    codes[-1] &= 0x0F
+            else:
+                codes = host_body[k, : (count + 1) // 2]
             segments.append(Segment(start, count, head.astype("<f4").tobytes() + codes.tobytes()))
         return segments
+
+
+def _norms(plan: _Plan, blocks: np.ndarray, shared: np.ndarray) -> tuple[float, ...]:
+    """Each tensor's L2 norm from the blocks' sums of squares and those of the pieces of
+    blocks tensors share, added in float64 (a float32 sum of millions of squares drifts)."""
+    _, tensors = plan.pieces()
+    wide, pieces = blocks.astype(np.float64), shared.astype(np.float64)
+    return tuple(
+        float(np.sqrt(wide[first:end].sum() + pieces[mine].sum())) for first, end, mine in tensors
+    )
