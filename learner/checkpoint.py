@@ -29,6 +29,7 @@ made after it was taken.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import struct
@@ -82,7 +83,7 @@ class Snapshot:
 
 def fragment_record(p: int, f: FragmentState, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
     """One fragment's bookkeeping as the training thread owns it; its anchor goes into
-    `arrays`. (What the encoder thread owns comes from `encoder_arrays`.)"""
+    `arrays`. (What the encoder thread owns comes from `encoder_held`.)"""
     arrays[f"frag{p}/base"] = f.base
     return {
         "version": f.version,
@@ -95,14 +96,28 @@ def fragment_record(p: int, f: FragmentState, arrays: dict[str, np.ndarray]) -> 
     }
 
 
-def encoder_arrays(
-    p: int, f: FragmentState, in_flight: bool, arrays: dict[str, np.ndarray]
-) -> None:
-    """The residual, and the fragment the in-flight update took: the encoder thread sets
-    both, so it reads them too, after the sends queued before the snapshot."""
-    if in_flight and f.sent_theta is not None:
-        arrays[f"frag{p}/sent_theta"] = np.asarray(f.sent_theta, np.float32)
-    residual = f.feedback.residual  # a copy from the device, if it stays there
+@dataclass(frozen=True)
+class EncoderHeld:
+    """What the encoder thread owns of one fragment, as it stood after the sends queued
+    before a checkpoint: references only (each is replaced, never changed in place, by the
+    next encoding), so taking them costs nothing and the copies happen on the writer."""
+
+    sent_theta: Any  # the fragment the in-flight update took, or None
+    feedback: Any  # a shallow copy of the error feedback (its residual as it was)
+
+
+def encoder_held(f: FragmentState, in_flight: bool) -> EncoderHeld:
+    """Run on the encoder thread, after the sends queued before the snapshot."""
+    sent = f.sent_theta if in_flight else None
+    return EncoderHeld(sent_theta=sent, feedback=copy.copy(f.feedback))
+
+
+def encoder_arrays(p: int, held: EncoderHeld, arrays: dict[str, np.ndarray]) -> None:
+    """The residual, and the fragment the in-flight update took, copied to the host (from
+    the device, where they stay when updates are encoded there) into `arrays`."""
+    if held.sent_theta is not None:
+        arrays[f"frag{p}/sent_theta"] = np.asarray(held.sent_theta, np.float32)
+    residual = held.feedback.residual
     if residual is not None:
         arrays[f"frag{p}/residual"] = residual
 

@@ -32,7 +32,7 @@ def test_a_checkpoint_round_trips_every_field(tmp_path: Path, on_device: bool) -
     f.count(tokens=100, seconds=0.25)
     arrays: dict[str, np.ndarray] = {}
     records = [ckpt.fragment_record(0, f, arrays)]
-    ckpt.encoder_arrays(0, f, True, arrays)
+    ckpt.encoder_arrays(0, ckpt.encoder_held(f, in_flight=True), arrays)
     assert all(isinstance(a, np.ndarray) for a in arrays.values())
     snap = ckpt.Snapshot(
         meta={
