@@ -12,6 +12,7 @@ import math
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,9 @@ EMA_DECAY = 0.9
 CHECKPOINT_SHARE = 0.03
 
 
+# Steps dispatched ahead of the one whose loss the host waits for: two steps' time for a
+# sync's host work (adopting a global value, queueing an update) before the device idles.
+STEPS_AHEAD = 2
 PROGRESS_EVERY_S = 2.0  # how often a learner rewrites its partial summary
 
 
@@ -177,11 +181,12 @@ class InnerLoop:
         # The training rate as it runs: steps and wall time from the --rate-after-steps-th on,
         # every hook and checkpoint included (what `atoll bench mfu` compares).
         steady: tuple[int, float] | None = None
-        # Pipelined: step N+1 is dispatched (and its batch copied in) before the host waits
-        # for step N's loss, so the device never idles while Python prepares a step. A
-        # step's loss and time are recorded once it is done, one step late.
+        # Pipelined: step N+STEPS_AHEAD is dispatched (and its batch copied in) before the
+        # host waits for step N's loss, so the device never idles while Python prepares a
+        # step or a sync's host work runs. A step's loss and time are recorded once it is
+        # done, STEPS_AHEAD steps late.
         batch = self._next_batch()
-        in_flight: jax.Array | None = None
+        in_flight: deque[jax.Array] = deque()
         done_at = time.monotonic()
         while not self.stop_requested.is_set() and (not steps or self.step < steps):
             if steady is None and self.loop_steps_seen >= self.settings.rate_after_steps:
@@ -194,10 +199,10 @@ class InnerLoop:
             batch = self._next_batch()
             self.step += 1
             self.tokens += self.workload.tokens_per_batch
+            in_flight.append(loss)
             seconds = 0.0
-            if in_flight is not None:
-                seconds, done_at = self._step_done(in_flight, done_at)
-            in_flight = loss
+            if len(in_flight) > STEPS_AHEAD:
+                seconds, done_at = self._step_done(in_flight.popleft(), done_at, len(in_flight))
             if self.sync is None:
                 continue
             params = self.sync.after_step(
@@ -211,8 +216,8 @@ class InnerLoop:
             if turn and self.step % turn == self.settings.eval_offset % turn:
                 self._evaluate(params)
             self._maybe_checkpoint(params, opt_state)
-        if in_flight is not None:
-            seconds, done_at = self._step_done(in_flight, done_at)
+        while in_flight:
+            seconds, done_at = self._step_done(in_flight.popleft(), done_at, len(in_flight))
             if self.sync is not None:
                 self.sync.count_compute(seconds)
         if steady is not None:
@@ -229,9 +234,10 @@ class InnerLoop:
         """The next batch, on its way to the devices (the copy does not block)."""
         return meshes.put(self.workload.batches.next(), self.batch_sharding)
 
-    def _step_done(self, loss: jax.Array, since: float) -> tuple[float, float]:
-        """Wait for a dispatched step's loss; record it. Returns the step's seconds (since
-        the step before it was done) and when it was done."""
+    def _step_done(self, loss: jax.Array, since: float, later: int) -> tuple[float, float]:
+        """Wait for a dispatched step's loss (`later` steps were dispatched after it);
+        record it. Returns the step's seconds (since the step before it was done) and when
+        it was done."""
         self.loss = float(loss)
         done = time.monotonic()
         seconds = done - since
@@ -239,10 +245,10 @@ class InnerLoop:
             time.sleep(seconds * (1.0 / self.settings.speed - 1.0))
             done = time.monotonic()
             seconds = done - since
-        self._record_step(seconds)
+        self._record_step(self.step - later, seconds)
         return seconds, done
 
-    def _record_step(self, seconds: float) -> None:
+    def _record_step(self, done: int, seconds: float) -> None:
         self.ema_step_s = (
             seconds
             if not self.ema_step_s
@@ -252,7 +258,6 @@ class InnerLoop:
         tm.LEARNER_TOKENS.inc(self.workload.tokens_per_batch)
         tm.LEARNER_STEP_SECONDS.observe(seconds)
         tm.LEARNER_LOSS.set(self.loss)
-        done = self.step - 1  # the step in flight now is not done yet
         if done % max(1, self.settings.log_every) == 0 or done == 1:
             self.timeline.losses.append((self.timeline.now(), done, self.tokens, self.loss))
             self._write_progress()

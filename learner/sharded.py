@@ -496,7 +496,9 @@ class ShardedSyncEngine(SyncEngine):
 
         self._encoding.append(self._encoder.submit(encode_and_queue))
 
-    def _adopt(self, p: int, value: np.ndarray, version: int) -> None:
+    def _adopt(
+        self, p: int, value: np.ndarray, version: int, placed: list[jax.Array] | None = None
+    ) -> None:
         f = self.outer.fragments[p]
         needs_local = self.alpha or (f.keep_progress and f.sent_theta is not None)
         theta = self._host(p, self._shard_arrays(p, self._flat)) if needs_local else value

@@ -125,7 +125,13 @@ class SyncEngine:
         self.pending_acks: dict[int, tuple[int, float]] = {}  # seq -> (fragment, compute s)
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-encode")
         self._encoding: list[Future[tuple[int, int, float]]] = []
-        self._writing: Future[tuple[int, int, float]] | None = None  # the last checkpoint
+        # Global values that arrived, each with its leaves already on the device when the
+        # loop will rebase onto them there (placed by the stager thread, off the loop).
+        self._arrivals: queue.Queue[tuple[GlobalFragment, list[jax.Array] | None]] = queue.Queue()
+        self._closing = threading.Event()
+        # Checkpoints are written by a thread of their own: a large one takes seconds.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-checkpoint")
+        self._writing: Future[None] | None = None  # the last checkpoint
         self.checkpoint_write_s = 0.0  # how long the last checkpoint took to write
         self._slots: ckpt.Slots | None = None
         self._refetch: set[int] = set()
@@ -209,6 +215,8 @@ class SyncEngine:
             placed = self.named.flatten(params)
             for p in range(self.fragments):  # copies: the loop may donate the parameters
                 self._set_anchor(p, {n: jnp.copy(placed[n]) for n in self._names(p)})
+        self._shardings = {n: leaf.sharding for n, leaf in self.named.flatten(params).items()}
+        threading.Thread(target=self._stage, name="atoll-stage", daemon=True).start()
         tm.REJOINS.inc()
         log.info(
             "joined",
@@ -338,7 +346,7 @@ class SyncEngine:
         names = self._names(p)
         # A device-side copy: the loop's step may donate the parameters' buffers. It also
         # stays on the device until the reply comes: the rebase is computed there.
-        snapshot = [jnp.copy(self._flat[n]) for n in names]
+        snapshot: list[jax.Array] = _device_copy([self._flat[n] for n in names])
         self._sent[p] = dict(zip(names, snapshot, strict=True))
         anchor = None if self._anchors is None else self._anchors[p]
 
@@ -385,26 +393,50 @@ class SyncEngine:
         adopted = False
         while True:
             try:
-                g: GlobalFragment = self.client.fragments.get(timeout=timeout)
+                g, placed = self._arrivals.get(timeout=timeout)
             except queue.Empty:
                 return adopted
             timeout = 0.0
             f = self.outer.fragments[g.fragment]
             if f.receive(g.values, g.version):
-                self._adopt(g.fragment, g.values, g.version)
+                self._adopt(g.fragment, g.values, g.version, placed)
                 adopted = True
 
-    def _adopt(self, p: int, value: np.ndarray, version: int) -> None:
+    def _stage(self) -> None:
+        """The stager thread: each global value that arrives, its leaves copied onto the
+        device where the loop rebases there (the copies are the host's work; the loop only
+        dispatches the rebase), handed to the loop in arrival order."""
+        while not self._closing.is_set():
+            try:
+                g = self.client.fragments.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            keep = self.outer.fragments[g.fragment].keep_progress
+            self._arrivals.put((g, self._place(g.fragment, g.values) if keep else None))
+
+    def _place(self, p: int, value: np.ndarray) -> list[jax.Array]:
+        """Fragment p's `value` as its leaves on the device, in layout order."""
+        names = self._names(p)
+        host = self.layout.scatter(p, value)
+        placed: list[jax.Array] = jax.device_put(
+            [host[n] for n in names], [self._shardings[n] for n in names]
+        )
+        return placed
+
+    def _adopt(
+        self, p: int, value: np.ndarray, version: int, placed: list[jax.Array] | None = None
+    ) -> None:
+        """Adopt fragment p's new global value (`placed`: its leaves on the device)."""
         f = self.outer.fragments[p]
         sent = self._sent.pop(p, None)
         if f.keep_progress and f.sent_theta is not None and sent is not None:
             # theta <- Theta + (theta - theta_sent), on the device: nothing waits for the
             # step in flight, and only the new global value crosses to the device.
-            incoming = {}
-            for name, leaf in self.layout.scatter(p, value).items():
-                current = self._flat[name]
-                incoming[name] = jax.device_put(jnp.asarray(leaf), current.sharding)
-                self._flat[name] = _rebase(incoming[name], current, sent[name])
+            placed = self._place(p, value) if placed is None else placed
+            names = self._names(p)
+            incoming = dict(zip(names, placed, strict=True))
+            rebased = _rebase(placed, [self._flat[n] for n in names], [sent[n] for n in names])
+            self._flat.update(zip(names, rebased, strict=True))
             f.adopt(value, version)
             self._set_anchor(p, incoming)
             return
@@ -441,8 +473,7 @@ class SyncEngine:
         for job in self._encoding:
             if job.done():
                 seq, p, compute = job.result()
-                if seq >= 0:  # a checkpoint written, not an update
-                    self.pending_acks[seq] = (p, compute)
+                self.pending_acks[seq] = (p, compute)
             else:
                 still.append(job)
         self._encoding = still
@@ -597,8 +628,10 @@ class SyncEngine:
         }
 
     def close(self) -> None:
-        """Wait for the encoder thread and close the session."""
+        """Wait for the encoder and checkpoint threads and close the session."""
+        self._closing.set()
         self._encoder.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
         self.client.close()
 
     # --- the slot's local checkpoint: what a restart goes on from ---------------------------
@@ -618,16 +651,24 @@ class SyncEngine:
         }
 
     def checkpoint_ready(self) -> bool:
-        """Whether the last checkpoint is written (the next is never queued behind it)."""
-        return self._writing is None or self._writing.done()
+        """Whether the last checkpoint is written (the next is never queued behind it).
+        Raises what failed its writing (a full disk, say): a learner whose checkpoints
+        cannot be written stops, rather than train on with nothing to restart from."""
+        if self._writing is None:
+            return True
+        if not self._writing.done():
+            return False
+        self._writing.result()
+        return True
 
     def checkpoint(self, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
         """Write a checkpoint of `params`, `opt_state` and this engine's bookkeeping to
         `--state-dir`, without waiting for it: a device-side copy (the next step may donate
         the buffers) whose copies to the host start now and run beside the next steps. The
-        encoder thread waits for them, adds what it owns (residuals, the fragment each
-        update took) after the sends queued before, and writes the file. `meta`: the loop's
-        place (step, tokens, data position)."""
+        encoder thread takes what it owns (residuals, the fragment each update took) after
+        the sends queued before; the writer thread copies those, waits for the rest and
+        writes the file, so a large checkpoint never holds up an update behind it. `meta`:
+        the loop's place (step, tokens, data position)."""
         arrays: dict[str, np.ndarray] = {}
         fragments = self.outer.fragments
         records = [ckpt.fragment_record(p, f, arrays) for p, f in enumerate(fragments)]
@@ -636,8 +677,12 @@ class SyncEngine:
         for leaf in jax.tree.leaves((flat, opt)):
             leaf.copy_to_host_async()
         slots = self._checkpoints()
+        in_flight = [record["awaiting_above"] is not None for record in records]
+        held = self._encoder.submit(
+            lambda: [ckpt.encoder_held(f, i) for f, i in zip(fragments, in_flight, strict=True)]
+        )
 
-        def finish_and_write() -> tuple[int, int, float]:
+        def write() -> None:
             host_params, host_opt = jax.device_get((flat, jax.tree.leaves(opt)))
             # Timed from here: waiting for the copies is waiting for the step queued before
             # them (the loop runs a step ahead), which is the loop's time, not the write's.
@@ -649,15 +694,12 @@ class SyncEngine:
                 fragments=records,
                 arrays=arrays,
             )
-            for p, f in enumerate(fragments):
-                in_flight = records[p]["awaiting_above"] is not None
-                ckpt.encoder_arrays(p, f, in_flight, snap.arrays)
+            for p, state in enumerate(held.result()):
+                ckpt.encoder_arrays(p, state, snap.arrays)
             slots.write(snap)
             self.checkpoint_write_s = time.monotonic() - t0
-            return -1, -1, 0.0  # not an update: nothing to acknowledge
 
-        self._writing = self._encoder.submit(finish_and_write)
-        self._encoding.append(self._writing)
+        self._writing = self._writer.submit(write)
 
     def restore(self, params: Any) -> Restored | None:
         """This slot's local checkpoint, if there is one for this job and model, with every
@@ -715,10 +757,12 @@ def _device_copy(tree: Any) -> Any:
 
 
 @jax.jit
-def _rebase(incoming: jax.Array, theta: jax.Array, sent: jax.Array) -> jax.Array:
-    """The new global value plus the local progress since the update was taken (float32,
-    as learner.outer.rebase computes it on the host)."""
-    return incoming + (theta - sent)
+def _rebase(
+    incoming: list[jax.Array], theta: list[jax.Array], sent: list[jax.Array]
+) -> list[jax.Array]:
+    """Each new global value plus the local progress since the update was taken (float32,
+    as learner.outer.rebase computes it on the host): one dispatch for a fragment."""
+    return [i + (t - s) for i, t, s in zip(incoming, theta, sent, strict=True)]
 
 
 def parse_routes(items: list[str]) -> dict[str, str]:
