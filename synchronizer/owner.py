@@ -13,6 +13,7 @@ is taken out again.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import os
 import statistics
@@ -382,13 +383,29 @@ class FragmentOwner:
             [u.provisional for u in members],
             self.config.max_weight_share,
         )
+        summed = []
         for update, weight in zip(members, weights, strict=True):
-            if not update.provisional:
-                continue
-            update.weight = weight
+            if update.provisional:
+                update.weight = weight
+                summed.append(update)
+        # Chunks of one range of values are summed in turn, ranges side by side on the
+        # step pool's threads (while this worker waits for them: still one job at a time).
+        by_range: dict[tuple[int, int], list[tuple[Update, codecs.Segment]]] = {}
+        for update in summed:
             for chunk in update.chunks:
-                self._sum(update, sealed, chunk.segment, weight)
-            sealed.counted(weight, update.norms, 1)
+                key = (chunk.segment.offset, chunk.segment.count)
+                by_range.setdefault(key, []).append((update, chunk.segment))
+        ranges = sorted(by_range)
+        apart = all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(ranges))
+        jobs = list(by_range.values()) if apart else [[c for r in ranges for c in by_range[r]]]
+
+        def run(job: list[tuple[Update, codecs.Segment]]) -> None:
+            for update, segment in job:
+                self._sum(update, sealed, segment, update.weight)
+
+        list(_STEP_POOL.map(run, jobs))
+        for update in summed:
+            sealed.counted(update.weight, update.norms, 1)
             update.chunks.clear()
 
     def _move(self, update: Update, sealed: Accumulator) -> None:

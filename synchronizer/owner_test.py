@@ -1,8 +1,16 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
-from synchronizer.owner import MAX_STEP_SPAN, step_scale
+import numpy as np
+import pytest
+
+from services import codec as codecs
+from services.config import JobConfig
+from services.tape import Tape
+from synchronizer.owner import MAX_STEP_SPAN, Chunk, FragmentOwner, Update, step_scale
+from synchronizer.tensors import TensorStore
 
 
 def test_an_update_of_more_steps_may_be_larger_and_one_of_fewer_is_held_to_the_noise_floor() -> (
@@ -17,3 +25,54 @@ def test_an_update_of_more_steps_may_be_larger_and_one_of_fewer_is_held_to_the_n
     # A claimed step count widens the bound only so far.
     assert step_scale(10**9, 10) == MAX_STEP_SPAN
     assert step_scale(0, 0) == 1.0
+
+
+def _provisional(
+    owner: FragmentOwner, name: str, weight: float, x: np.ndarray, step: int
+) -> Update:
+    codec = codecs.by_name("int8")
+    update = Update(
+        name, "i", 1, 0, 10, 100, 1.0, weight, (1.0,), codec, 64, owner.current, provisional=True
+    )
+    for segment in codecs.encode_segments(codec, x, 64, step)[0]:
+        update.chunks.append(Chunk(segment, None))
+    return update
+
+
+@pytest.mark.parametrize("second_step", [400, 300])
+def test_a_sealed_rounds_provisional_updates_sum_as_one_by_one(
+    tmp_path: Path, second_step: int
+) -> None:
+    """Chunks of the same ranges are summed range by range side by side; chunks whose
+    ranges overlap (another chunking) one after another: either way the sum of each
+    capped weight times each decoded update."""
+    size = 1000
+    owner = FragmentOwner(
+        fragment=0,
+        size=size,
+        segments=(size,),
+        epoch=1,
+        replica="r",
+        config=JobConfig(max_weight_share=2.0),
+        store=None,  # type: ignore[arg-type]  # a round's sums touch no store
+        tensors=TensorStore(str(tmp_path)),
+        tape=Tape(None, "r"),
+        fragments=1,
+    )
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=size).astype(np.float32) for _ in range(3)]
+    members = [
+        _provisional(owner, "a", 1.0, xs[0], 400),
+        _provisional(owner, "b", 1.5, xs[1], second_step),
+        _provisional(owner, "c", 100.0, xs[2], 400),  # capped: 2 x the median of 1 and 1.5
+    ]
+    sealed = owner.current
+    owner._sum_provisional(members, sealed)
+    codec = codecs.by_name("int8")
+    decoded = [codec.decode(codec.encode(x, 64), size, 64) for x in xs]
+    assert [u.weight for u in members] == [1.0, 1.5, 2.5]
+    expected = sum(np.float32(w) * d for w, d in zip([1.0, 1.5, 2.5], decoded, strict=True))
+    np.testing.assert_allclose(sealed.total, expected, rtol=1e-6, atol=1e-6)
+    assert sealed.weight == 5.0
+    assert all(not u.chunks for u in members)
+    owner.close()
