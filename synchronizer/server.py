@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -149,6 +150,11 @@ async def serve(settings: SynchronizerSettings) -> None:
             raise SystemExit(f"cannot listen on --health-listen {settings.health_listen}")
         await probes.start()
     await warming
+    # What exists now (modules, compiled kernels, the service) lives as long as the replica:
+    # out of the collector's sight, each of the collections that chunk handling triggers
+    # walks only what was made since.
+    gc.collect()
+    gc.freeze()
     await server.start()
     bound_metrics = metrics_server.server_port
     log.info(
