@@ -195,22 +195,18 @@ def _blocked(flat: list[jax.Array], plan: _Plan) -> jax.Array:
     return joined.reshape(plan.blocks, plan.block_size)
 
 
-def _plus(x: jax.Array, residual: jax.Array | None) -> jax.Array:
-    return x if residual is None else x + residual
-
-
 @partial(jax.jit, static_argnames="plan")
 def _feedback_on_delta(
-    delta: jax.Array, residual: jax.Array | None, zero: jax.Array, plan: _Plan
+    delta: jax.Array, residual: jax.Array, zero: jax.Array, plan: _Plan
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    return _feedback(_plus(_blocked([delta.astype(jnp.float32)], plan), residual), zero, plan)
+    return _feedback(_blocked([delta.astype(jnp.float32)], plan) + residual, zero, plan)
 
 
 @partial(jax.jit, static_argnames="plan")
 def _feedback_on_leaves(
     anchor: list[jax.Array],
     theta: list[jax.Array],
-    residual: jax.Array | None,
+    residual: jax.Array,
     zero: jax.Array,
     plan: _Plan,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -218,7 +214,7 @@ def _feedback_on_leaves(
         a.reshape(-1).astype(jnp.float32) - t.reshape(-1).astype(jnp.float32)
         for a, t in zip(anchor, theta, strict=True)
     ]
-    return _feedback(_plus(_blocked(differences, plan), residual), zero, plan)
+    return _feedback(_blocked(differences, plan) + residual, zero, plan)
 
 
 def encode(codec: Codec, x: Any, block_size: int) -> bytes:
@@ -280,7 +276,8 @@ class DeviceFeedback:
         plan = self._plan(delta.size)
         if not plan.size:
             return self._finish(plan, None)
-        return self._finish(plan, _feedback_on_delta(delta, self._residual, self._zero, plan))
+        out = _feedback_on_delta(delta, self._residual_for(plan, delta), self._zero, plan)
+        return self._finish(plan, out)
 
     def encode_update(
         self, anchor: Sequence[jax.Array], theta: Sequence[jax.Array]
@@ -291,8 +288,26 @@ class DeviceFeedback:
         plan = self._plan(sum(leaf.size for leaf in theta))
         if not plan.size:
             return self._finish(plan, None)
-        out = _feedback_on_leaves(list(anchor), list(theta), self._residual, self._zero, plan)
+        residual = self._residual_for(plan, theta[0])
+        out = _feedback_on_leaves(list(anchor), list(theta), residual, self._zero, plan)
         return self._finish(plan, out)
+
+    def warm(self, leaves: Sequence[jax.Array]) -> None:
+        """Compile the encoder of a fragment of these leaves (its anchor, say) now, with no
+        change to this feedback's state: its first update then encodes at once."""
+        plan = self._plan(sum(leaf.size for leaf in leaves))
+        if plan.size:
+            residual = self._residual_for(plan, leaves[0])
+            _feedback_on_leaves(list(leaves), list(leaves), residual, self._zero, plan)
+
+    def _residual_for(self, plan: _Plan, like: jax.Array) -> jax.Array:
+        """The residual; before the first encoding, zeros placed as `like` (an input) is:
+        one compiled encoder a fragment, where a first call without a residual compiled
+        another (adding zeros changes no byte: a zero's sign reaches no code or residual)."""
+        if self._residual is None:
+            shape = (plan.blocks, plan.block_size)
+            return jnp.zeros(shape, jnp.float32, device=like.sharding)
+        return self._residual
 
     def _finish(
         self,

@@ -150,3 +150,27 @@ def test_only_int8_and_int4_encode_on_the_device() -> None:
     assert not device_codec.supports(codecs.by_name("e3m0"))
     with pytest.raises(ValueError, match="no encoder on the device"):
         device_codec.DeviceFeedback(codecs.by_name("topk"), 256)
+
+
+def test_a_fragment_compiles_one_encoder_whatever_round() -> None:
+    """Warming at join, the first encoding (no residual yet) and the later ones share one
+    compiled encoder: another compile would land in a later sync, inside the loop's time."""
+    codec = codecs.by_name("int4")
+    rng = np.random.default_rng(3)
+    shapes = [(41, 13), (29,)]
+    placed = jax.device_put([rng.normal(size=s).astype(np.float32) for s in shapes])
+    anchor = [jnp.copy(a) for a in placed]  # as a learner's join makes them
+    sizes = tuple(int(np.prod(s)) for s in shapes)
+    device = device_codec.DeviceFeedback(codec, 32, tensor_sizes=sizes)
+    before = _compiled_encoders()
+    device.warm(anchor)  # as a learner does when it joins: compiled, nothing changed
+    assert device.residual is None
+    for k in range(3):
+        theta = [a + np.float32(0.01 * (k + 1)) for a in anchor]
+        device.encode_update(anchor, theta)
+        anchor = jax.device_put([np.asarray(t) for t in theta])  # as a reply places them
+    assert _compiled_encoders() - before == 1
+
+
+def _compiled_encoders() -> int:
+    return int(device_codec._feedback_on_leaves._cache_size())  # type: ignore[attr-defined]

@@ -215,6 +215,9 @@ class SyncEngine:
             placed = self.named.flatten(params)
             for p in range(self.fragments):  # copies: the loop may donate the parameters
                 self._set_anchor(p, {n: jnp.copy(placed[n]) for n in self._names(p)})
+            for p, f in enumerate(self.outer.fragments):  # compiled before the first sync
+                if isinstance(f.feedback, device_codec.DeviceFeedback):
+                    self._encoder.submit(f.feedback.warm, self._anchors[p])
         self._shardings = {n: leaf.sharding for n, leaf in self.named.flatten(params).items()}
         threading.Thread(target=self._stage, name="atoll-stage", daemon=True).start()
         tm.REJOINS.inc()
