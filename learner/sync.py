@@ -216,8 +216,10 @@ class SyncEngine:
             for p in range(self.fragments):  # copies: the loop may donate the parameters
                 self._set_anchor(p, {n: jnp.copy(placed[n]) for n in self._names(p)})
             for p, f in enumerate(self.outer.fragments):  # compiled before the first sync
+                leaves = self._anchors[p]
+                _rebase(leaves, leaves, _device_copy(leaves))  # the send's copy, the rebase
                 if isinstance(f.feedback, device_codec.DeviceFeedback):
-                    self._encoder.submit(f.feedback.warm, self._anchors[p])
+                    self._encoder.submit(f.feedback.warm, leaves)
         self._shardings = {n: leaf.sharding for n, leaf in self.named.flatten(params).items()}
         threading.Thread(target=self._stage, name="atoll-stage", daemon=True).start()
         tm.REJOINS.inc()
