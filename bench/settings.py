@@ -73,7 +73,11 @@ class MfuBench(_Output):
         description="model sizes, comma separated, of 86m, 303m, 1b, cpu-small, cpu-medium "
         "(default: 86m,303m with an NVIDIA GPU, else cpu-small,cpu-medium)",
     )
-    steps: int = Field(60, ge=5, description="measured steps per run (after every fragment has synced twice: 2 x H + 5)")
+    steps: int = Field(
+        60,
+        ge=5,
+        description="measured steps per run (after 2 x H + 5 steps: every fragment synced twice)",
+    )
     fragments: int = Field(4, ge=1, description="P of the synced runs")
     inner_steps: int = Field(40, ge=1, description="H of the synced runs")
     threads: int = Field(1, ge=1, description="CPU threads of each run (on a CPU)")

@@ -27,8 +27,10 @@ fragment is merged (classic DiLoCo).
 
 Threads: the caller's thread owns the fragments' bookkeeping and the parameters it passes
 in; the encoder thread (one, so each fragment's error feedback stays in order) owns the
-residuals and the fragment each in-flight update took, and writes checkpoints after the
-sends queued before them.
+residuals and the fragment each in-flight update took, and hands a checkpoint references to
+them in order with the sends queued before it; the checkpoint thread copies them and
+writes the file; the stager thread places each arriving global value on the device. With
+device encoding, every fragment's encoder is compiled when the learner joins.
 """
 
 from __future__ import annotations
@@ -690,7 +692,7 @@ class SyncEngine:
         def write() -> None:
             host_params, host_opt = jax.device_get((flat, jax.tree.leaves(opt)))
             # Timed from here: waiting for the copies is waiting for the step queued before
-            # them (the loop runs a step ahead), which is the loop's time, not the write's.
+            # them (the loop runs steps ahead), which is the loop's time, not the write's.
             t0 = time.monotonic()
             snap = ckpt.Snapshot(
                 meta=meta,
