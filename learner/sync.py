@@ -418,8 +418,13 @@ class SyncEngine:
                 g = self.client.fragments.get(timeout=0.2)
             except queue.Empty:
                 continue
-            keep = self.outer.fragments[g.fragment].keep_progress
-            self._arrivals.put((g, self._place(g.fragment, g.values) if keep else None))
+            placed = None
+            if self.outer.fragments[g.fragment].keep_progress:
+                try:
+                    placed = self._place(g.fragment, g.values)
+                except Exception as err:  # placed again by the loop, which raises it there
+                    log.warning("staging_failed", fragment=g.fragment, error=repr(err))
+            self._arrivals.put((g, placed))
 
     def _place(self, p: int, value: np.ndarray) -> list[jax.Array]:
         """Fragment p's `value` as its leaves on the device, in layout order."""
