@@ -644,6 +644,8 @@ class SyncEngine:
         self._closing.set()
         self._encoder.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        if self._writing is not None and self._writing.exception() is not None:
+            log.error("checkpoint_failed", error=repr(self._writing.exception()))
         self.client.close()
 
     # --- the slot's local checkpoint: what a restart goes on from ---------------------------
