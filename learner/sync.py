@@ -131,6 +131,7 @@ class SyncEngine:
         # loop will rebase onto them there (placed by the stager thread, off the loop).
         self._arrivals: queue.Queue[tuple[GlobalFragment, list[jax.Array] | None]] = queue.Queue()
         self._closing = threading.Event()
+        self._stager: threading.Thread | None = None
         # Checkpoints are written by a thread of their own: a large one takes seconds.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-checkpoint")
         self._writing: Future[None] | None = None  # the last checkpoint
@@ -223,7 +224,9 @@ class SyncEngine:
                 if isinstance(f.feedback, device_codec.DeviceFeedback):
                     self._encoder.submit(f.feedback.warm, leaves)
         self._shardings = {n: leaf.sharding for n, leaf in self.named.flatten(params).items()}
-        threading.Thread(target=self._stage, name="atoll-stage", daemon=True).start()
+        if self._stager is None:  # one, so arrivals keep their order
+            self._stager = threading.Thread(target=self._stage, name="atoll-stage", daemon=True)
+            self._stager.start()
         tm.REJOINS.inc()
         log.info(
             "joined",
@@ -642,6 +645,8 @@ class SyncEngine:
     def close(self) -> None:
         """Wait for the encoder and checkpoint threads and close the session."""
         self._closing.set()
+        if self._stager is not None:  # never left inside the runtime as the process exits
+            self._stager.join()
         self._encoder.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         if self._writing is not None and self._writing.exception() is not None:
