@@ -187,6 +187,9 @@ class InnerLoop:
         # done, STEPS_AHEAD steps late.
         batch = self._next_batch()
         in_flight: deque[jax.Array] = deque()
+        # A learner standing in for slower hardware (--speed) waits after each step; steps
+        # queued ahead would run through that wait and make it faster than it stands for.
+        ahead = STEPS_AHEAD if self.settings.speed >= 1.0 else 1
         done_at = time.monotonic()
         while not self.stop_requested.is_set() and (not steps or self.step < steps):
             if steady is None and self.loop_steps_seen >= self.settings.rate_after_steps:
@@ -201,7 +204,7 @@ class InnerLoop:
             self.tokens += self.workload.tokens_per_batch
             in_flight.append(loss)
             seconds = 0.0
-            if len(in_flight) > STEPS_AHEAD:
+            if len(in_flight) > ahead:
                 seconds, done_at = self._step_done(in_flight.popleft(), done_at, len(in_flight))
             if self.sync is None:
                 continue
