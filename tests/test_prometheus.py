@@ -94,7 +94,7 @@ def test_prometheus_sees_every_process_and_agrees_with_the_report_on_goodput(
                 "--synchronizers",
                 "2",
                 "--steps",
-                "300",
+                "600",  # long enough that the killed learner is back and scraped before the end
                 "--inner-steps",
                 "30",
                 "--fragments",
