@@ -73,22 +73,6 @@ def _flush_tiny(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(x) < FLOAT32_TINY, jnp.float32(0), x)
 
 
-def _scales_and_codes(blocks: jax.Array, largest: int) -> tuple[jax.Array, jax.Array]:
-    """Blocks (blocks x block_size, values below the smallest normal flushed) to their
-    scales and codes (float32), as services.codec.uniform_payload defines them."""
-    scales = _flush_tiny(jnp.max(jnp.abs(blocks), axis=1) * jnp.float32(1 / largest))
-    codes = jnp.round(blocks * reciprocal(scales)[:, None])  # to nearest, ties to even
-    return scales, jnp.clip(codes, -largest, largest)
-
-
-def uniform_codes(x: jax.Array, block_size: int, largest: int) -> tuple[jax.Array, jax.Array]:
-    """The blocks' scales and the codes that services.codec.uniform_payload defines, on the
-    device (the codes as float32, blocks x block_size, the last block padded with zeros)."""
-    nb = blocks_of(x.size, block_size)
-    blocks = jnp.pad(_flush_tiny(x), (0, nb * block_size - x.size)).reshape(nb, block_size)
-    return _scales_and_codes(blocks, largest)
-
-
 @dataclass(frozen=True)
 class _Plan:
     """What one fragment's encoding compiles for."""
@@ -173,7 +157,10 @@ def _feedback(
     """One encoding of `corrected` (blocks x block_size, zeros past the values): the
     scales, the body, the blocks' sums of squares of what it decodes to and those of the
     pieces of blocks tensors share, and the new residual (blocked as `corrected`)."""
-    scales, codes = _scales_and_codes(_flush_tiny(corrected), plan.largest)
+    blocks = _flush_tiny(corrected)
+    scales = _flush_tiny(jnp.max(jnp.abs(blocks), axis=1) * jnp.float32(1 / plan.largest))
+    codes = jnp.round(blocks * reciprocal(scales)[:, None])  # to nearest, ties to even
+    codes = jnp.clip(codes, -plan.largest, plan.largest)
     decoded = _unfused(codes * scales[:, None], zero)
     squares = decoded * decoded
     pieces, _ = plan.pieces()
