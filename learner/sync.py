@@ -213,17 +213,18 @@ class SyncEngine:
         for g in globals_:
             values.update(self.layout.scatter(g.fragment, g.values))
         params = jax.device_put(self.named.unflatten(values), sharding)  # type: ignore[arg-type]
+        placed = self.named.flatten(params)
+        self._shardings = {n: leaf.sharding for n, leaf in placed.items()}
         if device_codec.supports(self.codec):
             self._anchors = {}
-            placed = self.named.flatten(params)
-            for p in range(self.fragments):  # copies: the loop may donate the parameters
+            for p, f in enumerate(self.outer.fragments):
+                # Copies (the loop may donate the parameters); the send's copy, the rebase
+                # and the encoder are compiled for them before the first sync.
                 self._set_anchor(p, {n: jnp.copy(placed[n]) for n in self._names(p)})
-            for p, f in enumerate(self.outer.fragments):  # compiled before the first sync
                 leaves = self._anchors[p]
-                _rebase(leaves, leaves, _device_copy(leaves))  # the send's copy, the rebase
+                _rebase(leaves, leaves, _device_copy(leaves))
                 if isinstance(f.feedback, device_codec.DeviceFeedback):
                     self._encoder.submit(f.feedback.warm, leaves)
-        self._shardings = {n: leaf.sharding for n, leaf in self.named.flatten(params).items()}
         if self._stager is None:  # one, so arrivals keep their order
             self._stager = threading.Thread(target=self._stage, name="atoll-stage", daemon=True)
             self._stager.start()
@@ -413,16 +414,20 @@ class SyncEngine:
                 adopted = True
 
     def _stage(self) -> None:
-        """The stager thread: each global value that arrives, its leaves copied onto the
-        device where the loop rebases there (the copies are the host's work; the loop only
-        dispatches the rebase), handed to the loop in arrival order."""
+        """The stager thread: each global value that arrives, with its leaves copied onto
+        the device when it answers an update in flight (the copies are the host's work; the
+        loop only dispatches the rebase), handed to the loop in arrival order."""
         while not self._closing.is_set():
             try:
                 g = self.client.fragments.get(timeout=0.2)
             except queue.Empty:
                 continue
             placed = None
-            if self.outer.fragments[g.fragment].keep_progress:
+            f = self.outer.fragments[g.fragment]
+            # Only a value the loop will adopt as the reply it waits for is placed (a stale
+            # read of the loop's state only leaves the placing to `_adopt`).
+            awaiting = f.awaiting_above
+            if f.keep_progress and awaiting is not None and g.version > awaiting:
                 try:
                     placed = self._place(g.fragment, g.values)
                 except Exception as err:  # placed again by the loop, which raises it there
@@ -649,8 +654,9 @@ class SyncEngine:
             self._stager.join()
         self._encoder.shutdown(wait=True)
         self._writer.shutdown(wait=True)
-        if self._writing is not None and self._writing.exception() is not None:
-            log.error("checkpoint_failed", error=repr(self._writing.exception()))
+        failed = None if self._writing is None else self._writing.exception()
+        if failed is not None:
+            log.error("checkpoint_failed", error=repr(failed))
         self.client.close()
 
     # --- the slot's local checkpoint: what a restart goes on from ---------------------------
