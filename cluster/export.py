@@ -1,7 +1,8 @@
 """`atoll export`: a job's global model as one safetensors file, running or finished.
 
-Redis names each fragment's committed value in the tensor store; the fragment layout (a pure
-function of the job's parameter spec and P) scatters each value back into its named leaves.
+Redis names each fragment's keyframe in the tensor store and the deltas committed since, which
+rebuild its committed value (synchronizer/values.py); the fragment layout (a pure function of
+the job's parameter spec and P) scatters each value back into its named leaves.
 Leaves are written as float32, the precision the synchronizer keeps them in.
 
 The file's metadata (all strings, as safetensors wants):
@@ -30,7 +31,6 @@ from safetensors.numpy import save_file
 from services.config import AtollSettings
 from services.layout import LeafSpec, fragment_layout
 from synchronizer import inspect
-from synchronizer.tensors import version_of
 
 FORMAT = "atoll/1"
 VOCAB = 256  # the built-in model's byte vocabulary
@@ -119,12 +119,12 @@ def export_model(
     leaves: dict[str, np.ndarray] = {}
     versions: list[int] = []
     for p in range(fragments):
-        name = inspect.value_name(r, job, p)
-        if name is None:
+        found = inspect.committed_value(r, job, p, tensor_store)
+        if found is None:
             raise ExportError(f"fragment {p} of job {job!r} has no committed value yet")
-        flat = np.frombuffer(inspect.read_object(tensor_store, name), "<f4")
+        version, flat = found
         leaves.update(layout.scatter(p, flat))
-        versions.append(version_of(name))
+        versions.append(version)
     metadata = {
         "format": FORMAT,
         "job": job,

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import obstore
 
-from services.codec import checksum
+from services.codec import by_name, checksum
 from services.layout import LeafSpec
+from synchronizer import values
 from synchronizer.keys import JobKeys
-from synchronizer.tensors import TensorStore
+from synchronizer.tensors import TensorStore, version_of
 
 
 def _s(value: object) -> str:
@@ -93,10 +95,30 @@ def read_object(tensor_store: str, name: str) -> bytes:
     return bytes(obstore.get(store._store, name).bytes())
 
 
+def committed_value(
+    r: Any, job: str, fragment: int, tensor_store: str
+) -> tuple[int, np.ndarray] | None:
+    """A fragment's committed version and float32 value: the keyframe its pointer names plus
+    the deltas committed since (values.py). None: no value yet."""
+    keys = JobKeys(job)
+    fields = {_s(k): _s(v) for k, v in r.hgetall(keys.frag(fragment)).items()}
+    config = job_config(r, job)
+    if "version" not in fields or config is None:
+        return None
+    version, name = int(fields["version"]), fields["value"]
+    after = version_of(name)
+    entries = [json.loads(e) for e in r.lrange(keys.log(fragment), -(version - after), -1)]
+    names = values.delta_names(entries, after, version) if version > after else []
+    base = np.frombuffer(read_object(tensor_store, name), "<f4")
+    deltas = [read_object(tensor_store, n) for n in names]
+    codec = by_name(str(config["downlink_codec"]))
+    return version, values.rebuild(base, deltas, codec, int(config["block_size"]))
+
+
 def global_value(r: Any, job: str, fragment: int, tensor_store: str) -> bytes | None:
-    """The committed float32 value of a fragment, from the tensor store."""
-    name = value_name(r, job, fragment)
-    return None if name is None else read_object(tensor_store, name)
+    """The committed float32 value of a fragment, as bytes."""
+    found = committed_value(r, job, fragment, tensor_store)
+    return None if found is None else found[1].tobytes()
 
 
 def global_checksums(r: Any, job: str, fragments: int, tensor_store: str) -> list[int]:

@@ -45,15 +45,14 @@ from synchronizer.merge import (
 from synchronizer.rounds import RoundPolicy, RoundState, decide
 from synchronizer.store import Commit, ControlStore, Live, Pointer
 from synchronizer.tensors import TensorStore, object_name, version_of
+from synchronizer.values import VALUE_EVERY, keyframe_version, value_at
 
 log = structlog.get_logger("atoll.synchronizer.owner")
-# Kept in the tensor store after a commit: the last two values and optimizer states (a fetch
-# may still be reading the one before), and deltas enough to catch a learner up.
-KEEP_VALUES = 2
-# The downlink residual (what encoding deltas has not yet sent) is written with every
-# RESIDUAL_EVERY-th version, not each: it is the largest object of a merge after the value,
-# and a new owner that loads an older one only resends up to a quantum per value once.
-RESIDUAL_EVERY = 8
+# Kept in the tensor store after a commit: the keyframe the pointer names and the one before
+# (a fetch may still be reading it), every delta after the older of them, and at least the
+# last KEEP_DELTAS deltas (what catches a learner up). A merge writes its delta before the
+# pointer moves; a keyframe (value, optimizer state, residual) every VALUE_EVERY-th version,
+# in the background (values.py).
 KEEP_DELTAS = 10
 EVALUATE_EVERY_S = 0.1
 T_SYNC_DECAY = 0.8
@@ -127,6 +126,15 @@ class Update:
         return f"{self.learner}/{self.incarnation}/{self.seq}"
 
 
+@dataclass(frozen=True)
+class Keyframe:
+    """A version's value, optimizer state and residual, written whole (values.py)."""
+
+    version: int
+    value: str
+    state: tuple[str, ...]
+
+
 class FragmentOwner:
     def __init__(
         self,
@@ -161,8 +169,12 @@ class FragmentOwner:
         self.theta = np.zeros(0, np.float32)
         self.state: list[np.ndarray] = []
         self.residual = np.zeros(0, np.float32)
-        # The residual object the committed pointer names, and the version that wrote it.
-        self.residual_object: tuple[str, int] | None = None
+        # Keyframes the pointer has named, newest last (two kept), and one written since that
+        # the next commit names; the write in progress, which the next outer step waits for
+        # (it changes the arrays being written).
+        self.keyframes: list[Keyframe] = []
+        self.written: Keyframe | None = None
+        self._writing: asyncio.Task[None] | None = None
         self.theta_norm = 0.0
         # Each learner's last accepted update's weight (as capped) on this fragment, and its
         # L2 norm with the inner steps it covered (`norm_bound`).
@@ -190,36 +202,88 @@ class FragmentOwner:
 
     # --- loading ------------------------------------------------------------------------
     async def load(self, pointer: Pointer | None) -> None:
-        """Take the committed value and state from the tensor store (nothing if none yet)."""
+        """Take the committed value (its keyframe plus the deltas since) and the keyframe's
+        optimizer state and residual from the tensor store (nothing if none yet)."""
         if pointer is None:
             return
-        value = await self.tensors.get_arrays(pointer.value, self.size)
+        _, self.theta = await value_at(
+            self.store,
+            self.tensors,
+            self.fragment,
+            self.downlink,
+            self.config.block_size,
+            pointer=pointer,
+        )
+        if self.theta.size != self.size:
+            raise ValueError(
+                f"fragment {self.fragment}'s stored value has {self.theta.size} values, not "
+                f"{self.size}: the tensor store holds another job's objects"
+            )
         states = [(await self.tensors.get_arrays(n, self.size))[0] for n in pointer.state]
         # float64 norm of a large fragment: off the event loop, which renews the leases.
-        self.theta = value[0]
         self.theta_norm = await asyncio.to_thread(_norm, self.theta)
         n_opt = len(self.optimizer.init(self.theta[:0]))
         self.state = states[:n_opt] or self.optimizer.init(self.theta)
         self.residual = states[n_opt] if len(states) > n_opt else np.zeros_like(self.theta)
-        self.residual_object = (
-            (pointer.state[n_opt], pointer.version) if len(states) > n_opt else None
-        )
+        self.keyframes = [Keyframe(keyframe_version(pointer), pointer.value, pointer.state)]
         self.version = pointer.version
         self.opened_at = time.monotonic()
         log.info("fragment_loaded", fragment=self.fragment, version=self.version, epoch=self.epoch)
 
     async def initial_state(self, values: np.ndarray) -> tuple[str, tuple[str, ...]]:
         """Write a fragment's initial value and optimizer state; return their names."""
-        value = object_name(self.store.job, self.fragment, 0, self.epoch, "value")
-        await self.tensors.put(value, values)
-        state = []
-        for i, array in enumerate(
-            [*self.optimizer.init(values), np.zeros_like(values, np.float32)]
-        ):
-            name = object_name(self.store.job, self.fragment, 0, self.epoch, f"state{i}")
-            await self.tensors.put(name, array)
-            state.append(name)
-        return value, tuple(state)
+        arrays = [*self.optimizer.init(values), np.zeros_like(values, np.float32)]
+        frame = self._keyframe_names(0, len(arrays))
+        await self._write_keyframe(frame, values, arrays)
+        return frame.value, frame.state
+
+    def _keyframe_names(self, version: int, states: int) -> Keyframe:
+        job, p, e = self.store.job, self.fragment, self.epoch
+        return Keyframe(
+            version,
+            object_name(job, p, version, e, "value"),
+            tuple(object_name(job, p, version, e, f"state{i}") for i in range(states)),
+        )
+
+    async def _write_keyframe(
+        self, frame: Keyframe, value: np.ndarray, states: Sequence[np.ndarray]
+    ) -> None:
+        await asyncio.gather(
+            self.tensors.put(frame.value, value),
+            *(self.tensors.put(n, a) for n, a in zip(frame.state, states, strict=True)),
+        )
+
+    def _start_keyframe(self, version: int) -> None:
+        """Write this version's value, state and residual in the background; the next
+        commit names them once written."""
+        arrays = [*self.state, self.residual]
+        frame = self._keyframe_names(version, len(arrays))
+
+        async def write() -> None:
+            started = time.monotonic()
+            try:
+                await self._write_keyframe(frame, self.theta, arrays)
+            except Exception as err:  # the pointer keeps the older keyframe; deltas cover it
+                log.warning(
+                    "keyframe_failed", fragment=self.fragment, version=version, error=repr(err)
+                )
+                await self.tensors.delete([frame.value, *frame.state])
+                return
+            self.written = frame
+            log.info(
+                "keyframe_written",
+                fragment=self.fragment,
+                version=version,
+                seconds=round(time.monotonic() - started, 4),
+            )
+
+        self._writing = asyncio.create_task(write())
+
+    async def _keyframe_written(self) -> None:
+        """Wait for a keyframe write in progress: it reads the arrays the step changes."""
+        if self._writing is not None:
+            await asyncio.shield(self._writing)
+            self._writing = None
 
     # --- ingest -------------------------------------------------------------------------
     def begin(
@@ -622,24 +686,14 @@ class FragmentOwner:
                     )
                 if self.weights.get(u.learner) == weight:  # not a newer one's since
                     self.weights[u.learner] = u.weight
+        await self._keyframe_written()
         delta = await self._on_worker(self._step, sealed, scale)
         version = self.version + 1
         job, p, e = self.store.job, self.fragment, self.epoch
-        value_name = object_name(job, p, version, e, "value")
         delta_name = object_name(job, p, version, e, "delta")
-        written = [
-            (object_name(job, p, version, e, f"state{i}"), a) for i, a in enumerate(self.state)
-        ]
-        residual = self.residual_object
-        if residual is None or version - residual[1] >= RESIDUAL_EVERY:
-            residual = (object_name(job, p, version, e, f"state{len(self.state)}"), version)
-            written.append((residual[0], self.residual))
-        state_names = (*(name for name, _ in written[: len(self.state)]), residual[0])
-        await asyncio.gather(
-            self.tensors.put(value_name, self.theta),
-            *(self.tensors.put(name, array) for name, array in written),
-            self.tensors.put(delta_name, codecs.pack_segments(delta)),
-        )
+        # The pointer names the newest keyframe written; this version is it plus the deltas.
+        frame = self.written or self.keyframes[-1]
+        await self.tensors.put(delta_name, codecs.pack_segments(delta))
         useful = sum(u.compute_seconds for u in updates) / max(1, self.fragments)
         staleness = [self.version - u.base_version for u in updates]
         entry = {
@@ -655,7 +709,7 @@ class FragmentOwner:
             "committed_at": time.time(),
             "useful_seconds": useful,
             "delta": delta_name,
-            "value": value_name,
+            "value": frame.value,  # the keyframe this version is rebuilt from
             "checksum": await self._on_worker(_checksum, self.theta),
         }
         entry["latency_s"] = round(time.monotonic() - ready, 6)  # round ready to committing
@@ -665,8 +719,8 @@ class FragmentOwner:
                 replica=self.replica,
                 epoch=e,
                 expected_version=self.version,
-                value=value_name,
-                state=state_names,
+                value=frame.value,
+                state=frame.state,
                 delta=delta_name,
                 merged=[(u.learner, u.incarnation, u.seq) for u in updates],
                 useful_seconds=useful,
@@ -680,9 +734,14 @@ class FragmentOwner:
             self.lost = True
             tm.MERGE_ABORTS.inc()
             log.warning("merge_aborted", fragment=p, status=status, version=now_version)
-            await self.tensors.delete([value_name, delta_name, *(n for n, _ in written)])
+            await self.tensors.delete([delta_name])
             raise OwnerLost(f"fragment {p}: commit refused ({status})")
-        self.version, self.residual_object = version, residual
+        self.version = version
+        if frame is not self.keyframes[-1]:
+            self.keyframes = [self.keyframes[-1], frame]
+        self.written = None
+        if (version + p) % VALUE_EVERY == 0:  # fragments take turns
+            self._start_keyframe(version)
         tm.USEFUL_SECONDS.inc(useful)
         seconds = time.monotonic() - started
         self.t_sync_s = (
@@ -707,21 +766,29 @@ class FragmentOwner:
             self._gc = asyncio.create_task(self._collect_garbage(version))
 
     async def _collect_garbage(self, version: int) -> None:
-        """Delete objects of versions older than the ones kept."""
+        """Delete the objects no kept version is rebuilt from: keyframes older than the two
+        the pointer named last (those after are being written), and deltas before the older
+        of them but the last KEEP_DELTAS."""
         prefix = f"{self.store.job}/fragment-{self.fragment:05d}/"
         try:
-            kept = self.residual_object[0] if self.residual_object else None
+            kept = {n for frame in self.keyframes for n in (frame.value, *frame.state)}
+            oldest, newest = self.keyframes[0].version, self.keyframes[-1].version
             old = [
                 n
                 for n in await self.tensors.names(prefix)
-                if version_of(n) <= version - (KEEP_DELTAS if n.endswith(".delta") else KEEP_VALUES)
-                and n != kept
+                if (
+                    version_of(n) <= min(oldest, version - KEEP_DELTAS)
+                    if n.endswith(".delta")
+                    else version_of(n) < newest and n not in kept
+                )
             ]
             await self.tensors.delete(old)
         except Exception as err:  # garbage is collected next time
             log.warning("gc_failed", fragment=self.fragment, error=str(err))
 
     def close(self) -> None:
+        if self._writing is not None:
+            self._writing.cancel()
         self.worker.shutdown(wait=False, cancel_futures=True)
 
 

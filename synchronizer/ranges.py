@@ -4,20 +4,24 @@ learner that spans several hosts receives its own shard of every new global valu
 The values travel as float32 (4 bytes a value), exactly those asked for, so each process
 receives only its own share; a learner of one process receives encoded deltas of whole
 fragments instead (services/downlink.py). A version stays fetchable while the tensor store
-keeps its value (the current one and the one before it at least), so the processes of one
-learner can all adopt the same version whenever each of them asks.
+keeps its keyframe and the deltas after it (the last VALUE_EVERY versions at least,
+values.py), so the processes of one learner can all adopt the same version whenever each of
+them asks.
 """
 
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import xxhash
 
 from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, synchronizer_pb2
+from synchronizer import values
 from synchronizer.admission import Rejection
 from synchronizer.store import ControlStore
-from synchronizer.tensors import TensorStore, object_name
+from synchronizer.tensors import TensorStore
+from synchronizer.values import RebuiltValues, float32_bytes
 
 MAX_RANGES = 1 << 16  # ranges of one fragment in one fetch
 
@@ -39,60 +43,42 @@ def check_ranges(wanted: synchronizer_pb2.ValueRanges, size: int) -> list[tuple[
 
 
 async def value_at(
-    store: ControlStore, tensors: TensorStore, fragment: int, version: int | None
-) -> tuple[int, bytes]:
-    """A fragment's value (float32 bytes) at `version` (None: the current one)."""
-    pointer = await store.pointer(fragment)
-    if pointer is None:
+    store: ControlStore,
+    tensors: TensorStore,
+    fragment: int,
+    version: int | None,
+    rebuilt: RebuiltValues,
+) -> tuple[int, np.ndarray]:
+    """A fragment's float32 value at `version` (None: the current one)."""
+    try:
+        return await rebuilt.get(store, tensors, fragment, version)
+    except values.VersionGone as err:
         raise Rejection(
             "bad_request",
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"fragment {fragment} has no global value yet",
-        )
-    name = pointer.value if version in (None, pointer.version) else None
-    if name is None and version is not None and 0 < version < pointer.version:
-        entries = await store.log_range(fragment, version - 1, version)
-        name = next((str(e["value"]) for e in entries if int(e["version"]) == version), None)
-    if name is None and version == 0 < pointer.version:
-        # The initial value has no commit entry: the one object of version 0, if still kept.
-        folder, _, first = object_name(store.job, fragment, 0, 0, "value").rpartition("/")
-        stem = first.split("-", 1)[0] + "-"
-        found = [
-            n
-            for n in await tensors.names(folder + "/")
-            if n.rpartition("/")[2].startswith(stem) and n.endswith(".value")
-        ]
-        name = found[0] if len(found) == 1 else None
-    gone = Rejection(
-        "bad_request",
-        grpc.StatusCode.NOT_FOUND,
-        f"version {version} of fragment {fragment} is not kept (the current one is "
-        f"{pointer.version}); fetch the current one",
-    )
-    if name is None:
-        raise gone
-    try:
-        return (pointer.version if version is None else version), await tensors.get(name)
-    except Exception:  # collected meanwhile
-        raise gone from None
+            grpc.StatusCode.NOT_FOUND,
+            f"version {version} of fragment {fragment} is not kept ({err}); fetch the current one",
+        ) from None
+    except LookupError as err:
+        raise Rejection("bad_request", grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
 
 
 def range_chunks(
     fragment: int,
     version: int,
-    values: bytes,
+    value: np.ndarray,
     ranges: list[tuple[int, int]],
     chunk_bytes: int,
 ) -> list[fragment_pb2.GlobalFragmentChunk]:
     """The values of `ranges` as float32 chunks; the header's checksum and sizes cover these
     chunks alone, `value_checksum` the whole value."""
+    values = float32_bytes(value)
     step = max(1, chunk_bytes // 4)
     pieces = [
         (start, min(offset + count, start + step) - start)
         for offset, count in ranges
         for start in range(offset, offset + count, step)
     ]
-    data = [values[4 * start : 4 * (start + count)] for start, count in pieces]
+    data = [bytes(values[4 * start : 4 * (start + count)]) for start, count in pieces]
     hasher = xxhash.xxh3_64()
     for d in data:
         hasher.update(d)

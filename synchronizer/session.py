@@ -41,6 +41,7 @@ from synchronizer.admission import (
 from synchronizer.ownership import Ownership
 from synchronizer.store import ControlStore
 from synchronizer.tensors import TensorStore
+from synchronizer.values import RebuiltValues, float32_bytes
 
 log = structlog.get_logger("atoll.synchronizer.session")
 
@@ -151,7 +152,7 @@ async def _serialized(
 
 
 def value_chunks(
-    fragment: int, version: int, values: bytes, chunk_bytes: int
+    fragment: int, version: int, values: bytes | memoryview, chunk_bytes: int
 ) -> list[fragment_pb2.GlobalFragmentChunk]:
     """A whole float32 value as fp32 segments."""
     n = len(values) // 4
@@ -170,7 +171,7 @@ def value_chunks(
             header=header,
             version=version,
             chunk_index=i,
-            data=values[4 * start : 4 * min(n, start + step)],
+            data=bytes(values[4 * start : 4 * min(n, start + step)]),
             value_offset=start,
             value_count=min(n, start + step) - start,
         )
@@ -213,6 +214,8 @@ class Sessions:
         self.ownership, self.tape = ownership, tape
         self._layout, self._adopt_spec = layout, adopt_spec
         self.connections: dict[str, Connection] = {}
+        # Whole values served (joins, learners too far behind for deltas, shard fetches).
+        self.rebuilt = RebuiltValues(codecs.by_name(settings.downlink_codec), settings.block_size)
         self.owner_map: list[session_pb2.FragmentOwner] = []
         self._greeting: set[str] = set()  # slots whose hello this replica is answering
         self._known_specs: dict[bytes, str] = {}  # spec digest -> the job's spec (JSON)
@@ -604,21 +607,16 @@ class Sessions:
     ) -> list[fragment_pb2.GlobalFragmentChunk]:
         """The fragment's whole current value, chunked; or, when its checksum is `held` (the
         learner already has it), one chunk without data that says so."""
-        pointer = await self.store.pointer(fragment)
-        if pointer is None:
-            raise LookupError(f"fragment {fragment} has no global value yet")
-        values = await self.tensors.get(pointer.value)
+        version, value = await self.rebuilt.get(self.store, self.tensors, fragment)
         chunks = await asyncio.to_thread(  # copies the whole value: off the event loop
-            value_chunks, fragment, pointer.version, values, self.settings.max_chunk_bytes
+            value_chunks, fragment, version, float32_bytes(value), self.settings.max_chunk_bytes
         )
         if held is not None and chunks[0].header.checksum == held:
             header = fragment_pb2.PayloadHeader()
             header.CopyFrom(chunks[0].header)
             header.chunk_count, header.total_bytes = 1, 0
             return [
-                fragment_pb2.GlobalFragmentChunk(
-                    header=header, version=pointer.version, unchanged=True
-                )
+                fragment_pb2.GlobalFragmentChunk(header=header, version=version, unchanged=True)
             ]
         return chunks
 
@@ -675,7 +673,7 @@ class Sessions:
         n = layout.fragments[p].num_elements
         wanted = ranges.check_ranges(request.ranges[p], n) if p in request.ranges else [(0, n)]
         version = request.versions.get(p)
-        version, values = await ranges.value_at(self.store, self.tensors, p, version)
+        version, values = await ranges.value_at(self.store, self.tensors, p, version, self.rebuilt)
         return await asyncio.to_thread(  # copies the values asked for: off the event loop
             ranges.range_chunks, p, version, values, wanted, self.settings.max_chunk_bytes
         )

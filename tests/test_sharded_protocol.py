@@ -140,7 +140,7 @@ def test_a_notices_session_is_told_versions_and_ranges_are_fetched_at_a_version(
             c.wait_ack(support.send_delta(c, 0, 2, v, seed=v), 10, received=True)
             wait_until(lambda v=v: support.version(r, 0) == v + 1)  # type: ignore[misc]
             wait_until(lambda v=v: c.known_versions.get(0) == v + 1)  # type: ignore[misc]
-            if v == 0:  # the initial value (it has no commit entry) is kept one commit more
+            if v == 0:  # the initial value (it has no commit entry) is the first keyframe
                 first = c.fetch_ranges({0: [(0, 10)]}, versions={0: 0})[0]
                 np.testing.assert_array_equal(first.values, initial[:10])
         assert c.fragments.empty()  # told, not sent
@@ -157,10 +157,13 @@ def test_a_notices_session_is_told_versions_and_ranges_are_fetched_at_a_version(
         np.testing.assert_array_equal(
             got.values, np.concatenate([whole[a : a + n] for a, n in wanted])
         )
-        # The version before is still kept; older ones are not.
+        # Versions since the keyframe (here the initial value) are kept; later ones are not
+        # there yet.
         assert c.fetch_ranges({0: wanted}, versions={0: 1})[0].version == 1
+        again = c.fetch_ranges({0: [(0, 10)]}, versions={0: 0})[0]
+        np.testing.assert_array_equal(again.values, initial[:10])
         with pytest.raises(grpc.RpcError) as gone:
-            c.fetch_ranges({0: [(0, 10)]}, versions={0: 0})
+            c.fetch_ranges({0: [(0, 10)]}, versions={0: 3})
         assert gone.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.RpcError) as bad:
             c.fetch_ranges({0: [(100, 10), (0, 10)]})

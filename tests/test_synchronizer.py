@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import signal
 import time
@@ -495,16 +494,17 @@ def test_learners_rebuild_every_global_version_bit_for_bit_from_compressed_delta
             c.close()
 
 
-def test_the_residual_is_stored_every_eighth_version_and_the_pointer_names_one_that_exists(
+def test_merges_write_deltas_and_a_keyframe_every_eighth_version_that_rebuilds_the_value(
     spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
 ) -> None:
-    """A merge writes the new value and delta; the downlink residual only with every
-    RESIDUAL_EVERY-th version (owner.py). Whatever the pointer names is in the store, and
-    old objects are collected."""
+    """A merge writes its delta; the value, optimizer state and residual only with every
+    VALUE_EVERY-th version (values.py), which the next commit names. Whatever the pointer
+    names is in the store, the committed value is that keyframe plus the deltas since (what
+    the commit log's checksum says), and old objects are collected."""
     sync = spawn_synchronizer("--fragments", "1", "--grace-seconds", "0")
     c = support.client([sync.address], "l0")
     r = redis.Redis(port=redis_server.port)
-    rounds = 20
+    rounds = 21
     root = sync.log_path.parent / "tensors"
     folder = root / "default" / "fragment-00000"
     try:
@@ -512,15 +512,26 @@ def test_the_residual_is_stored_every_eighth_version_and_the_pointer_names_one_t
         for v in range(rounds):  # each update is its own round (quorum 1)
             c.wait_ack(support.send_delta(c, 0, 1, support.version(r, 0), seed=v), 10)
             wait_until(lambda v=v: support.version(r, 0) >= v + 1, what=f"version {v + 1}")
-        state = str(r.hget(support.KEYS.frag(0), "state"), "utf-8").split(",")
-        assert [int(str(e["version"])) for e in support.commit_log(r, 0)][-1] == rounds
-        assert all((root / name).exists() for name in state), state
-        named = version_of(state[-1])  # the residual (no momentum: the only state)
-        assert 0 < rounds - named < 8 or named == rounds, named
-        wait_until(lambda: len(list(folder.glob("*.state0"))) <= 2, what="old residuals collected")
-        kept = sorted(version_of(p.name) for p in folder.glob("*.state0"))
-        assert named in kept
-        assert all(b - a >= 8 for a, b in itertools.pairwise(kept)), kept
+        frag = {
+            str(k, "utf-8"): str(v, "utf-8") for k, v in r.hgetall(support.KEYS.frag(0)).items()
+        }
+        log = support.commit_log(r, 0)
+        assert [int(str(e["version"])) for e in log][-1] == rounds
+        named = [frag["value"], *frag["state"].split(",")]
+        assert all((root / name).exists() for name in named), named
+        # Version 16 was a keyframe, written after its commit and named from version 17 on.
+        assert {version_of(n) for n in named} == {16}, named
+        assert [version_of(str(e["value"])) for e in log][15:] == [8, 16, 16, 16, 16, 16]
+        value = inspect.global_value(r, "default", 0, str(root))
+        assert value is not None
+        assert codecs.checksum(value) == int(str(log[-1]["checksum"]))
+
+        def kept(kind: str) -> list[int]:
+            return sorted(version_of(p.name) for p in folder.glob(f"*.{kind}"))
+
+        # Collected: keyframes but the two last named, and deltas before the older one.
+        wait_until(lambda: kept("value") == [8, 16], what="old keyframes collected")
+        wait_until(lambda: kept("delta") == list(range(9, rounds + 1)), what="old deltas collected")
     finally:
         c.close()
 
