@@ -4,12 +4,13 @@ For each replica count R, in this one invocation: a fresh Redis and tensor store
 (each its own process), a model of N parameters in P fragments initialized through the real
 protocol, then L synthetic learners (processes) that stream pre-encoded int4 updates to each
 fragment's owner over Ingest calls, round robin over the fragments, while rounds merge at the
-default cadence (decoupled, quorum 1, adaptive grace). The learners read every pushed global
-fragment (counted, not decoded) and heartbeat like real ones. Reported per R: payload MB/s
-received, merges, each replica's peak RSS (the kernel's high-water mark) against the bound
-6 x the fp32 bytes of the fragments it owns + 500 MB, Redis's peak memory and largest value,
-and merge latency (a round ready, by its last update or its grace window's end, to its
-version committed).
+default cadence (decoupled, quorum 1, adaptive grace). Each learner holds its control session
+with one replica, spread over them as a Service spreads them, reads every global fragment
+that replica pushes (counted, not decoded) and heartbeats like a real one. Reported per R:
+payload MB/s received, updates sent and received, MB/s pushed to the learners, merges, each
+replica's peak RSS (the kernel's high-water mark) against the bound 6 x the fp32 bytes of the
+fragments it owns + 500 MB, Redis's peak memory and largest value, and merge latency (a round
+ready, by its last update or its grace window's end, to its version committed).
 """
 
 from __future__ import annotations
@@ -194,7 +195,9 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
     return {
         "replicas": replicas,
         "ingest_mb_s": round(sum(r["bytes"] for r in results) / seconds / 1e6, 2),
+        "updates_sent": sum(r["sent"] for r in results),
         "updates_received": sum(r["received"] for r in results),
+        "pushed_mb_s": round(sum(r["bytes_down"] for r in results) / seconds / 1e6, 2),
         "merges": sum(len(log) for log in logs),
         "fragments_owned": [owned[c.name] for c in children],
         "peak_rss_mb": [round(x, 1) for x in rss],
@@ -355,7 +358,10 @@ def run_learner(settings: ScaleLearner) -> None:
     codec = codecs.by_name(settings.codec)
     payload = sum(len(s.data) for s in segments)
     learner = f"bench-{settings.index}"
-    session = _Session(settings.addresses.split(",")[0], spec, learner)
+    # Sessions spread over the replicas as a Service spreads them: each replica pushes new
+    # versions to its share of the learners.
+    addresses = settings.addresses.split(",")
+    session = _Session(addresses[settings.index % len(addresses)], spec, learner)
     session.ready.wait(30)
     incarnation = session._hello.hello.incarnation
     static = {
