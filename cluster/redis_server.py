@@ -45,11 +45,19 @@ def redis_binary() -> str:
         ) from None
 
 
+# Looked up here, not in the child: loading a library or finding a symbol between fork and
+# exec, in a child of a process with threads (gRPC's), can crash on the loader's lock that
+# another thread held at the fork.
+_PRCTL = (
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
+)
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: on Linux, SIGTERM it when the process that started it dies
     (redis-server cannot watch its parent itself)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 LOWEST_PORT = 10000
