@@ -86,6 +86,9 @@ class Accumulator:
     segments: tuple[int, ...]  # tensor sizes, in layout order
     total: np.ndarray = field(init=False)
     weight: float = 0.0
+    # The round's provisional updates summed apart at the weights they claimed (owner.py),
+    # until the round is sealed and their weights are known; None while it has none.
+    provisional: Accumulator | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.total = np.zeros(self.size, np.float32)

@@ -37,7 +37,6 @@ from synchronizer.merge import (
     Accumulator,
     OuterOptimizer,
     capped_weights,
-    decode_checked,
     partial_round_scale,
     staleness_weight,
     token_weight,
@@ -401,15 +400,10 @@ class FragmentOwner:
     def _add(self, update: Update, offset: int, count: int, data: bytes) -> None:
         update.hasher.update(data)
         segment = codecs.Segment(offset, count, data)
-        # A provisional update is checked now and summed once its weight is known
-        # (`_sum_provisional`).
-        target = None if update.provisional else update.accumulator
-        if target is None:
-            _, squares = decode_checked(
-                segment, update.codec, update.block_size, update.weight, MAX_WEIGHTED_VALUE
-            )
-        else:
-            squares = self._sum(update, target, segment, update.weight)
+        # A provisional update is summed apart, at the weight it claims, until its weight is
+        # known (`_sum_provisional`).
+        target = self._sum_for(update)
+        squares = self._sum(update, target, segment, update.weight)
         refusal: Exception | None = None
         bound = update.norm_bound
         if not math.isfinite(squares):
@@ -421,11 +415,19 @@ class FragmentOwner:
                 math.sqrt(update.squares + squares),
             )
         if refusal is not None:  # known only once summed: out again, as if never in
-            if target is not None:
-                self._sum(update, target, segment, -update.weight)
+            self._sum(update, target, segment, -update.weight)
             raise refusal
         update.squares += squares
         update.chunks.append(Chunk(segment, target))
+
+    def _sum_for(self, update: Update) -> Accumulator:
+        """Where an update's chunks are summed: its round's sum, or for a provisional update
+        the round's sum of provisional updates (made when first needed)."""
+        if not update.provisional:
+            return update.accumulator
+        if update.accumulator.provisional is None:
+            update.accumulator.provisional = self.rule.new(self.size, self.segments)
+        return update.accumulator.provisional
 
     def _sum(self, update: Update, target: Accumulator, segment: codecs.Segment, w: float) -> float:
         """Decode a chunk and add it into `target` weighing `w` (negative: out again)."""
@@ -447,11 +449,31 @@ class FragmentOwner:
             [u.provisional for u in members],
             self.config.max_weight_share,
         )
-        summed = []
+        summed = [u for u in members if u.provisional]
+        held, sealed.provisional = sealed.provisional, None
+        if held is not None and all(
+            w == u.weight for u, w in zip(members, weights, strict=True) if u.provisional
+        ):
+            # As claimed (always so for a round of one): their sum, made as they arrived, is
+            # the round's if it has no other member, else added to it range by range on the
+            # step pool.
+            if sealed.weight == 0:
+                sealed.total = held.total
+            else:
+                step = max(1, -(-self.size // (4 * (os.cpu_count() or 1))))
+
+                def add(start: int) -> None:
+                    part = sealed.total[start : start + step]
+                    np.add(part, held.total[start : start + step], out=part)
+
+                list(_STEP_POOL.map(add, range(0, self.size, step)))
+            for update in summed:
+                sealed.counted(update.weight, update.norms, 1)
+                update.chunks.clear()
+            return
         for update, weight in zip(members, weights, strict=True):
             if update.provisional:
                 update.weight = weight
-                summed.append(update)
         # Chunks of one range of values are summed in turn, ranges side by side on the
         # step pool's threads (while this worker waits for them: still one job at a time).
         by_range: dict[tuple[int, int], list[tuple[Update, codecs.Segment]]] = {}
@@ -473,12 +495,16 @@ class FragmentOwner:
             update.chunks.clear()
 
     def _move(self, update: Update, sealed: Accumulator) -> None:
-        """Chunks summed into a round being merged go to the update's round now."""
+        """Chunks summed into a round being merged (or its provisional sum) go to the
+        update's round now."""
         for chunk in update.chunks:
-            if chunk.accumulator is sealed:
-                self._sum(update, sealed, chunk.segment, -update.weight)
-                self._sum(update, update.accumulator, chunk.segment, update.weight)
-                chunk.accumulator = update.accumulator
+            if chunk.accumulator is sealed or (
+                chunk.accumulator is not None and chunk.accumulator is sealed.provisional
+            ):
+                target = self._sum_for(update)
+                self._sum(update, chunk.accumulator, chunk.segment, -update.weight)
+                self._sum(update, target, chunk.segment, update.weight)
+                chunk.accumulator = target
 
     async def abandon(self, update: Update) -> None:
         """An update that will not be received (its stream broke, or it was refused)."""
@@ -693,10 +719,10 @@ class FragmentOwner:
         delta_name = object_name(job, p, version, e, "delta")
         # The pointer names the newest keyframe written; this version is it plus the deltas.
         frame = self.written or self.keyframes[-1]
-        await self.tensors.put(delta_name, codecs.pack_segments(delta))
+        await self.tensors.put(delta_name, await asyncio.to_thread(codecs.pack_segments, delta))
         useful = sum(u.compute_seconds for u in updates) / max(1, self.fragments)
         staleness = [self.version - u.base_version for u in updates]
-        entry = {
+        entry: dict[str, Any] = {
             "fragment": p,
             "version": version,
             "uids": [u.uid for u in updates],

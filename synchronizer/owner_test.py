@@ -76,3 +76,72 @@ def test_a_sealed_rounds_provisional_updates_sum_as_one_by_one(
     assert sealed.weight == 5.0
     assert all(not u.chunks for u in members)
     owner.close()
+
+
+@pytest.mark.parametrize("with_counted_member", [False, True])
+def test_provisional_updates_summed_as_they_arrive_join_the_round_whole_when_not_capped(
+    tmp_path: Path, with_counted_member: bool
+) -> None:
+    """Provisional chunks are summed apart as they arrive, at the weights claimed; a sealed
+    round whose weights all stand takes that sum whole (the round's own when it has no
+    other member), and a chunk moved to the next round leaves the sealed one's sums."""
+    size = 1000
+    owner = FragmentOwner(
+        fragment=0,
+        size=size,
+        segments=(size,),
+        epoch=1,
+        replica="r",
+        config=JobConfig(max_weight_share=2.0),
+        store=None,  # type: ignore[arg-type]  # a round's sums touch no store
+        tensors=TensorStore(str(tmp_path)),
+        tape=Tape(None, "r"),
+        fragments=1,
+    )
+    codec = codecs.by_name("int8")
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(size=size).astype(np.float32) for _ in range(3)]
+    decoded = [codec.decode(codec.encode(x, 64), size, 64) for x in xs]
+    sealed = owner.current
+
+    def arriving(name: str, weight: float, x: np.ndarray, provisional: bool) -> Update:
+        update = Update(
+            name,
+            "i",
+            1,
+            0,
+            10,
+            100,
+            1.0,
+            weight,
+            (1.0,),
+            codec,
+            64,
+            sealed,
+            provisional=provisional,
+        )
+        for s in codecs.encode_segments(codec, x, 64, 400)[0]:
+            owner._add(update, s.offset, s.count, s.data)
+        return update
+
+    members = [arriving("a", 1.0, xs[0], True), arriving("b", 1.5, xs[1], True)]
+    weights = [1.0, 1.5]
+    if with_counted_member:
+        counted = arriving("c", 2.0, xs[2], False)
+        sealed.counted(counted.weight, counted.norms, 1)
+        weights.append(2.0)
+    # An update still arriving when the round is sealed: moved out, provisional sum too.
+    late = arriving("d", 1.0, xs[2], True)
+    owner.current = owner.rule.new(size, owner.segments)
+    late.accumulator = owner.current
+    owner._move(late, sealed)
+    assert sealed.provisional is not None
+    owner._sum_provisional(members, sealed)
+    assert sealed.provisional is None
+    expected = sum(np.float32(w) * d for w, d in zip(weights, decoded, strict=False))
+    np.testing.assert_allclose(sealed.total, expected, rtol=1e-5, atol=1e-5)
+    assert sealed.weight == sum(weights)
+    assert all(not u.chunks for u in members)
+    assert owner.current.provisional is not None
+    np.testing.assert_allclose(owner.current.provisional.total, decoded[2], rtol=1e-6, atol=1e-6)
+    owner.close()
