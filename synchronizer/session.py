@@ -573,10 +573,10 @@ class Sessions:
                 }
                 for v in range(last + 1, version + 1):
                     if v not in deltas:
-                        step = await self._delta(fragment, v, entries.get(v), layout)
-                        # Deltas are small: serialized here, with no wait that would
-                        # let a newer push to this fragment run in between.
-                        deltas[v] = None if step is None else _serialize(step)
+                        # Read, parsed and serialized once for every learner (off the
+                        # event loop: a large model's delta is tens of MB). Only this
+                        # task pushes, so no newer push to this fragment runs meanwhile.
+                        deltas[v] = await self._delta(fragment, v, entries.get(v), layout)
                     serialized = deltas[v]
                     if serialized is None:  # no longer kept: the whole value instead
                         chunks = []
@@ -591,7 +591,8 @@ class Sessions:
 
     async def _delta(
         self, fragment: int, version: int, entry: dict[str, Any] | None, layout: FragmentLayout
-    ) -> list[fragment_pb2.GlobalFragmentChunk] | None:
+    ) -> list[tuple[int, bytes]] | None:
+        """A version's delta as serialized messages (None: no longer kept)."""
         if entry is None or not entry.get("delta"):
             return None
         try:
@@ -600,7 +601,13 @@ class Sessions:
             return None
         codec = codecs.by_name(self.settings.downlink_codec)
         n = layout.fragments[fragment].num_elements
-        return delta_chunks(fragment, version, blob, codec, self.settings.block_size, n)
+
+        def serialized() -> list[tuple[int, bytes]]:
+            return _serialize(
+                delta_chunks(fragment, version, blob, codec, self.settings.block_size, n)
+            )
+
+        return await asyncio.to_thread(serialized)
 
     async def fragment_chunks(
         self, fragment: int, held: int | None = None
