@@ -7,10 +7,11 @@ fragment's owner over Ingest calls, round robin over the fragments, while rounds
 default cadence (decoupled, quorum 1, adaptive grace). Each learner holds its control session
 with one replica, spread over them as a Service spreads them, reads every global fragment
 that replica pushes (counted, not decoded) and heartbeats like a real one. Reported per R:
-payload MB/s received, updates sent and received, MB/s pushed to the learners, merges, each
-replica's peak RSS (the kernel's high-water mark) against the bound 6 x the fp32 bytes of the
-fragments it owns + 500 MB, Redis's peak memory and largest value, and merge latency (a round
-ready, by its last update or its grace window's end, to its version committed).
+payload MB/s received, updates sent and received, MB/s pushed to the learners, merges (and
+the slowest four), each replica's peak RSS (the kernel's high-water mark) against the bound
+6 x the fp32 bytes of the fragments it owns + 500 MB, Redis's peak memory and largest value,
+and merge latency (a round ready, by its last update or its grace window's end, to its
+version committed).
 """
 
 from __future__ import annotations
@@ -188,7 +189,8 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
                 learner.stop()
             for child in children:
                 child.stop()
-    latencies = [float(e["latency_s"]) for log in logs for e in log if "latency_s" in e]
+    entries = [e for log in logs for e in log if "latency_s" in e]
+    latencies = [float(e["latency_s"]) for e in entries]
     seconds = max(r["seconds"] for r in results)
     fragment_mb = n * 4 / 1e6
     bounds = [6 * fragment_mb * owned[c.name] + 500 for c in children]
@@ -208,6 +210,11 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
             "p50": round(_percentile(latencies, 50), 4),
             "p99": round(_percentile(latencies, 99), 4),
         },
+        # Where the tail is: [fragment, version, seconds] of the slowest merges.
+        "slowest_merges": sorted(
+            ([int(e["fragment"]), int(e["version"]), float(e["latency_s"])] for e in entries),
+            key=lambda m: -m[2],
+        )[:4],
     }
 
 
