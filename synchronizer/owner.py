@@ -322,7 +322,7 @@ class FragmentOwner:
                 weight = cap
         # Else (the fragment's first updates, or the first since this owner took it over)
         # its weight is provisional: capped against the other members of its round once the
-        # round is sealed (`_sum_provisional`), and summed only then.
+        # round is sealed (`_sum_provisional`); summed apart until then.
         if self.version is not None and self.config.staleness_decay != 1.0:
             weight *= staleness_weight(self.version - base_version, self.config.staleness_decay)
         bound = self.norm_bound(learner, c_steps)
@@ -443,7 +443,9 @@ class FragmentOwner:
 
     def _sum_provisional(self, members: list[Update], sealed: Accumulator) -> None:
         """Cap the provisional weights of a sealed round's members against the round's other
-        members, and sum those members in."""
+        members, and sum those members in: their sum made as they arrived if every weight
+        stands, else again from their chunks at the capped weights (a claimed weight never
+        enters the round's own sum, where it could drown the others' in float32)."""
         weights = capped_weights(
             [u.weight for u in members],
             [u.provisional for u in members],

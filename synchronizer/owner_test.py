@@ -27,6 +27,22 @@ def test_an_update_of_more_steps_may_be_larger_and_one_of_fewer_is_held_to_the_n
     assert step_scale(0, 0) == 1.0
 
 
+def _owner(tmp_path: Path, size: int) -> FragmentOwner:
+    """An owner of one fragment of `size` values, for its sums alone (no store touched)."""
+    return FragmentOwner(
+        fragment=0,
+        size=size,
+        segments=(size,),
+        epoch=1,
+        replica="r",
+        config=JobConfig(max_weight_share=2.0),
+        store=None,  # type: ignore[arg-type]  # a round's sums touch no store
+        tensors=TensorStore(str(tmp_path)),
+        tape=Tape(None, "r"),
+        fragments=1,
+    )
+
+
 def _provisional(
     owner: FragmentOwner, name: str, weight: float, x: np.ndarray, step: int
 ) -> Update:
@@ -47,18 +63,7 @@ def test_a_sealed_rounds_provisional_updates_sum_as_one_by_one(
     ranges overlap (another chunking) one after another: either way the sum of each
     capped weight times each decoded update."""
     size = 1000
-    owner = FragmentOwner(
-        fragment=0,
-        size=size,
-        segments=(size,),
-        epoch=1,
-        replica="r",
-        config=JobConfig(max_weight_share=2.0),
-        store=None,  # type: ignore[arg-type]  # a round's sums touch no store
-        tensors=TensorStore(str(tmp_path)),
-        tape=Tape(None, "r"),
-        fragments=1,
-    )
+    owner = _owner(tmp_path, size)
     rng = np.random.default_rng(0)
     xs = [rng.normal(size=size).astype(np.float32) for _ in range(3)]
     members = [
@@ -86,18 +91,7 @@ def test_provisional_updates_summed_as_they_arrive_join_the_round_whole_when_not
     round whose weights all stand takes that sum whole (the round's own when it has no
     other member), and a chunk moved to the next round leaves the sealed one's sums."""
     size = 1000
-    owner = FragmentOwner(
-        fragment=0,
-        size=size,
-        segments=(size,),
-        epoch=1,
-        replica="r",
-        config=JobConfig(max_weight_share=2.0),
-        store=None,  # type: ignore[arg-type]  # a round's sums touch no store
-        tensors=TensorStore(str(tmp_path)),
-        tape=Tape(None, "r"),
-        fragments=1,
-    )
+    owner = _owner(tmp_path, size)
     codec = codecs.by_name("int8")
     rng = np.random.default_rng(1)
     xs = [rng.normal(size=size).astype(np.float32) for _ in range(3)]
