@@ -45,6 +45,7 @@ from synchronizer.rounds import RoundPolicy, RoundState, decide
 from synchronizer.store import Commit, ControlStore, Live, Pointer
 from synchronizer.tensors import TensorStore, object_name, version_of
 from synchronizer.values import VALUE_EVERY, keyframe_version, value_at
+from synchronizer.worker import FragmentWorker
 
 log = structlog.get_logger("atoll.synchronizer.owner")
 # Kept in the tensor store after a commit: the keyframe the pointer names and the one before
@@ -194,10 +195,14 @@ class FragmentOwner:
         self.wake = asyncio.Event()
         self._gc: asyncio.Task[None] | None = None
         # One thread per fragment: chunk sums and the merge never race on its arrays.
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"atoll-frag{fragment}")
+        self.worker = FragmentWorker(f"atoll-frag{fragment}")
 
     async def _on_worker(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    async def _merge_on_worker(self, fn: Any, *args: Any) -> Any:
+        """A merge's job: on the worker, ahead of the chunk sums queued there."""
+        return await asyncio.wrap_future(self.worker.urgent(fn, *args))
 
     # --- loading ------------------------------------------------------------------------
     async def load(self, pointer: Pointer | None) -> None:
@@ -659,7 +664,7 @@ class FragmentOwner:
         for update in self.in_flight:
             if update.accumulator is sealed:
                 update.accumulator = self.current
-                self.worker.submit(self._move, update, sealed)
+                self.worker.urgent(self._move, update, sealed)
         return members, sealed
 
     def _step(self, sealed: Accumulator, scale: float) -> list[codecs.Segment]:
@@ -706,7 +711,7 @@ class FragmentOwner:
         scale = partial_round_scale(len(learners), live_learners) if live_learners else 1.0
         claimed = {u: u.weight for u in updates if u.provisional}
         if claimed:
-            await self._on_worker(self._sum_provisional, updates, sealed)
+            await self._merge_on_worker(self._sum_provisional, updates, sealed)
             for u, weight in claimed.items():
                 if u.weight < weight:
                     log.info(
@@ -715,7 +720,7 @@ class FragmentOwner:
                 if self.weights.get(u.learner) == weight:  # not a newer one's since
                     self.weights[u.learner] = u.weight
         await self._keyframe_written()
-        delta = await self._on_worker(self._step, sealed, scale)
+        delta = await self._merge_on_worker(self._step, sealed, scale)
         version = self.version + 1
         job, p, e = self.store.job, self.fragment, self.epoch
         delta_name = object_name(job, p, version, e, "delta")
@@ -738,7 +743,7 @@ class FragmentOwner:
             "useful_seconds": useful,
             "delta": delta_name,
             "value": frame.value,  # the keyframe this version is rebuilt from
-            "checksum": await self._on_worker(_checksum, self.theta),
+            "checksum": await self._merge_on_worker(_checksum, self.theta),
         }
         entry["latency_s"] = round(time.monotonic() - ready, 6)  # round ready to committing
         status, now_version = await self.store.commit(
