@@ -49,7 +49,10 @@ class ScaleBench(_Output):
 class ScaleLearner(BaseModel):
     """internal: one synthetic learner of `atoll bench scale`"""
 
-    addresses: str = Field(description="synchronizer addresses, comma separated")
+    addresses: str = Field(
+        description="synchronizer addresses, comma separated; the session goes to the one at "
+        "index mod their count, updates to each fragment's owner"
+    )
     index: int = Field(0, description="this learner's number")
     params: int = Field(description="model parameters")
     fragments: int = Field(description="P")
