@@ -436,6 +436,8 @@ class FragmentOwner:
 
     def _sum(self, update: Update, target: Accumulator, segment: codecs.Segment, w: float) -> float:
         """Decode a chunk and add it into `target` weighing `w` (negative: out again)."""
+        if w < 0:
+            target.subtracted = True
         return target.add_encoded(
             segment, update.codec, update.block_size, w, update.norms, MAX_WEIGHTED_VALUE
         )
@@ -449,8 +451,9 @@ class FragmentOwner:
     def _sum_provisional(self, members: list[Update], sealed: Accumulator) -> None:
         """Cap the provisional weights of a sealed round's members against the round's other
         members, and sum those members in: their sum made as they arrived if every weight
-        stands, else again from their chunks at the capped weights (a claimed weight never
-        enters the round's own sum, where it could drown the others' in float32)."""
+        stands and nothing was taken out of it, else again from their chunks at the final
+        weights (a claimed weight never enters the round's own sum, where it could drown the
+        others' in float32)."""
         weights = capped_weights(
             [u.weight for u in members],
             [u.provisional for u in members],
@@ -458,12 +461,15 @@ class FragmentOwner:
         )
         summed = [u for u in members if u.provisional]
         held, sealed.provisional = sealed.provisional, None
-        if held is not None and all(
-            w == u.weight for u, w in zip(members, weights, strict=True) if u.provisional
+        if (
+            held is not None
+            and not held.subtracted
+            and all(w == u.weight for u, w in zip(members, weights, strict=True) if u.provisional)
         ):
-            # As claimed (always so for a round of one): their sum, made as they arrived, is
-            # the round's if it has no other member, else added to it range by range on the
-            # step pool.
+            # As claimed (always so for a round of one), and nothing taken out of their sum
+            # since (a claimed weight is unbounded: taking one out may have cancelled the
+            # others' bits): that sum, made as they arrived, is the round's if it has no
+            # other member, else added to it range by range on the step pool.
             if sealed.weight == 0:
                 sealed.total = held.total
             else:

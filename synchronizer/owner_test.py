@@ -139,3 +139,33 @@ def test_provisional_updates_summed_as_they_arrive_join_the_round_whole_when_not
     assert owner.current.provisional is not None
     np.testing.assert_allclose(owner.current.provisional.total, decoded[2], rtol=1e-6, atol=1e-6)
     owner.close()
+
+
+def test_a_provisional_sum_something_was_taken_out_of_is_summed_again_from_the_chunks(
+    tmp_path: Path,
+) -> None:
+    """An update claiming a huge weight, summed apart and then refused, cancels the other
+    provisional updates' float32 bits in that sum: the round sums its members again."""
+    size = 1000
+    owner = _owner(tmp_path, size)
+    codec = codecs.by_name("int8")
+    x = np.random.default_rng(2).normal(size=size).astype(np.float32)
+    sealed = owner.current
+
+    def arriving(name: str, weight: float, values: np.ndarray) -> Update:
+        update = Update(
+            name, "i", 1, 0, 10, 100, 1.0, weight, (1.0,), codec, 64, sealed, provisional=True
+        )
+        for s in codecs.encode_segments(codec, values, 64, 400)[0]:
+            owner._add(update, s.offset, s.count, s.data)
+        return update
+
+    honest = arriving("a", 1.0, x)
+    owner._take_out(arriving("h", 1e9, x))  # refused after summing
+    assert sealed.provisional is not None
+    assert sealed.provisional.subtracted
+    owner._sum_provisional([honest], sealed)
+    decoded = codec.decode(codec.encode(x, 64), size, 64)
+    np.testing.assert_allclose(sealed.total, decoded, rtol=1e-6, atol=1e-6)
+    assert sealed.weight == 1.0
+    owner.close()
