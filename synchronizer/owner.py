@@ -13,6 +13,7 @@ is taken out again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import os
@@ -271,7 +272,10 @@ class FragmentOwner:
                 log.warning(
                     "keyframe_failed", fragment=self.fragment, version=version, error=repr(err)
                 )
-                await self.tensors.delete([frame.value, *frame.state])
+                # What was written is collected later if the store refuses now: a merge
+                # waits for this task, and must not fail with it.
+                with contextlib.suppress(Exception):
+                    await self.tensors.delete([frame.value, *frame.state])
                 return
             self.written = frame
             log.info(
