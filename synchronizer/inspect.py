@@ -107,8 +107,10 @@ def committed_value(
         return None
     version, name = int(fields["version"]), fields["value"]
     after = version_of(name)
-    entries = [json.loads(e) for e in r.lrange(keys.log(fragment), -(version - after), -1)]
-    names = values.delta_names(entries, after, version) if version > after else []
+    names: list[str] = []
+    if version > after:  # the log's last entries are the versions since the keyframe
+        entries = [json.loads(e) for e in r.lrange(keys.log(fragment), after - version, -1)]
+        names = values.delta_names(entries, after, version)
     base = np.frombuffer(read_object(tensor_store, name), "<f4")
     deltas = [read_object(tensor_store, n) for n in names]
     codec = by_name(str(config["downlink_codec"]))
