@@ -531,7 +531,12 @@ class FragmentOwner:
 
     async def receive(self, update: Update, checksum: int) -> tuple[str, int]:
         """Record a whole, checked update in Redis; on any status but `received` it is taken
-        out of the sum again. Returns (status, version)."""
+        out of the sum again. Returns (status, version). It runs to its end even when the
+        call that sent the update is cancelled (its learner died): Redis may have recorded
+        it already, and a round member Redis holds but the sums do not would never merge."""
+        return await asyncio.shield(self._receive(update, checksum))
+
+    async def _receive(self, update: Update, checksum: int) -> tuple[str, int]:
         record = {
             "learner": update.learner,
             "incarnation": update.incarnation,
