@@ -133,6 +133,23 @@ MERGE_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
     registry=_S,
 )
+MERGE_PHASE_SECONDS = Histogram(
+    "atoll_merge_phase_seconds",
+    "Time one merge spent, by phase: summing provisional updates (provisional), waiting for "
+    "a keyframe write (keyframe_wait), the outer step (step), writing the delta "
+    "(delta_write), the value's checksum (checksum), the commit in Redis (commit)",
+    ["phase"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    registry=_S,
+)
+INGEST_WAIT_SECONDS = Histogram(
+    "atoll_ingest_wait_seconds",
+    "Time one Ingest call of an update waited, by what it waited for: the learner's next "
+    "chunk (read), chunk sums on the fragment's worker (sum), recording it (record)",
+    ["phase"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    registry=_S,
+)
 STALENESS = Histogram(
     "atoll_update_staleness_versions",
     "Versions between an update's base and the fragment's version when it was merged",

@@ -9,6 +9,7 @@ again if anything fails.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
@@ -30,6 +31,10 @@ from synchronizer.parts import Gathering, Parts, Summing, begin_update, combined
 from synchronizer.store import ControlStore
 
 log = structlog.get_logger("atoll.synchronizer.ingest")
+
+WAIT_READ = tm.INGEST_WAIT_SECONDS.labels(phase="read")
+WAIT_SUM = tm.INGEST_WAIT_SECONDS.labels(phase="sum")
+WAIT_RECORD = tm.INGEST_WAIT_SECONDS.labels(phase="record")
 
 NOT_OWNER = "not the owner of fragment {p}; look up the owner map again and resend"
 
@@ -212,11 +217,19 @@ class Ingest:
         except Rejection as rejection:
             return await self._refuse(first, rejection)
         summing = Summing()
+        clock = time.perf_counter
+        waited, mark = 0.0, clock()
         try:
             # The next chunk is read while the last ones are summed on the fragment's worker.
             async for chunk, data in self._chunks(first, rest):
+                began = clock()
                 await summing.add(owner.add(update, chunk.value_offset, chunk.value_count, data))
+                waited += clock() - began
+            began = clock()
             await summing.done()
+            waited += clock() - began
+            WAIT_READ.observe(clock() - mark - waited)
+            WAIT_SUM.observe(waited)
             if update.hasher.intdigest() != first.header.checksum:
                 raise Rejection(
                     "checksum",
@@ -235,7 +248,9 @@ class Ingest:
             await summing.drain()
             await owner.abandon(update)
             raise
+        began = clock()
         status, version = await owner.receive(update, first.header.checksum)
+        WAIT_RECORD.observe(clock() - began)
         return await self._answer(owner, first, status, version)
 
     async def _answer(
