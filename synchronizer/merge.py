@@ -89,9 +89,9 @@ class Accumulator:
     # The round's provisional updates summed apart at the weights they claimed (owner.py),
     # until the round is sealed and their weights are known; None while it has none.
     provisional: Accumulator | None = field(default=None, init=False, repr=False, compare=False)
-    # Something was taken out of this sum again (a refused or moved update): where weights
-    # are unbounded, what is left may have lost the others' float32 bits (owner.py).
-    subtracted: bool = field(default=False, init=False, compare=False)
+    # The largest weight taken out of this sum again (a refused or moved update): where
+    # weights are unbounded, what is left may have lost the others' float32 bits (owner.py).
+    taken_out: float = field(default=0.0, init=False, compare=False)
 
     def __post_init__(self) -> None:
         self.total = np.zeros(self.size, np.float32)

@@ -440,16 +440,18 @@ class FragmentOwner:
 
     def _sum(self, update: Update, target: Accumulator, segment: codecs.Segment, w: float) -> float:
         """Decode a chunk and add it into `target` weighing `w` (negative: out again)."""
-        if w < 0:
-            target.subtracted = True
+        if -w > target.taken_out:
+            target.taken_out = -w
         return target.add_encoded(
             segment, update.codec, update.block_size, w, update.norms, MAX_WEIGHTED_VALUE
         )
 
     def _take_out(self, update: Update) -> None:
-        for chunk in update.chunks:
+        def out(chunk: Chunk) -> None:
             if chunk.accumulator is not None:
                 self._sum(update, chunk.accumulator, chunk.segment, -update.weight)
+
+        _each_chunk(out, update.chunks)
         update.chunks.clear()
 
     def _sum_provisional(self, members: list[Update], sealed: Accumulator) -> None:
@@ -467,13 +469,16 @@ class FragmentOwner:
         held, sealed.provisional = sealed.provisional, None
         if (
             held is not None
-            and not held.subtracted
+            and summed
+            and held.taken_out <= self.config.max_weight_share * min(u.weight for u in summed)
             and all(w == u.weight for u, w in zip(members, weights, strict=True) if u.provisional)
         ):
             # As claimed (always so for a round of one), and nothing taken out of their sum
-            # since (a claimed weight is unbounded: taking one out may have cancelled the
-            # others' bits): that sum, made as they arrived, is the round's if it has no
-            # other member, else added to it range by range on the step pool.
+            # since that weighed more than a capped member may (a claimed weight is
+            # unbounded: taking a far heavier one out may have cancelled the others' bits;
+            # one within the cap leaves them a few float32 roundings, as summing does): that
+            # sum, made as they arrived, is the round's if it has no other member, else
+            # added to it range by range on the step pool.
             if sealed.weight == 0:
                 sealed.total = held.total
             else:
@@ -514,14 +519,23 @@ class FragmentOwner:
     def _move(self, update: Update, sealed: Accumulator) -> None:
         """Chunks summed into a round being merged (or its provisional sum) go to the
         update's round now."""
-        for chunk in update.chunks:
-            if chunk.accumulator is sealed or (
-                chunk.accumulator is not None and chunk.accumulator is sealed.provisional
-            ):
-                target = self._sum_for(update)
+        moving = [
+            chunk
+            for chunk in update.chunks
+            if chunk.accumulator is sealed
+            or (chunk.accumulator is not None and chunk.accumulator is sealed.provisional)
+        ]
+        if not moving:
+            return
+        target = self._sum_for(update)
+
+        def move(chunk: Chunk) -> None:
+            if chunk.accumulator is not None:
                 self._sum(update, chunk.accumulator, chunk.segment, -update.weight)
                 self._sum(update, target, chunk.segment, update.weight)
                 chunk.accumulator = target
+
+        _each_chunk(move, moving)
 
     async def abandon(self, update: Update) -> None:
         """An update that will not be received (its stream broke, or it was refused)."""
@@ -725,8 +739,10 @@ class FragmentOwner:
         learners = {u.learner for u in updates}
         scale = partial_round_scale(len(learners), live_learners) if live_learners else 1.0
         claimed = {u: u.weight for u in updates if u.provisional}
+        phases = _Phases()
         if claimed:
             await self._merge_on_worker(self._sum_provisional, updates, sealed)
+            phases.done("provisional")
             for u, weight in claimed.items():
                 if u.weight < weight:
                     log.info(
@@ -735,13 +751,16 @@ class FragmentOwner:
                 if self.weights.get(u.learner) == weight:  # not a newer one's since
                     self.weights[u.learner] = u.weight
         await self._keyframe_written()
+        phases.done("keyframe_wait")
         delta = await self._merge_on_worker(self._step, sealed, scale)
+        phases.done("step")
         version = self.version + 1
         job, p, e = self.store.job, self.fragment, self.epoch
         delta_name = object_name(job, p, version, e, "delta")
         # The pointer names the newest keyframe written; this version is it plus the deltas.
         frame = self.written or self.keyframes[-1]
         await self.tensors.put(delta_name, await asyncio.to_thread(codecs.pack_segments, delta))
+        phases.done("delta_write")
         useful = sum(u.compute_seconds for u in updates) / max(1, self.fragments)
         staleness = [self.version - u.base_version for u in updates]
         entry: dict[str, Any] = {
@@ -760,7 +779,9 @@ class FragmentOwner:
             "value": frame.value,  # the keyframe this version is rebuilt from
             "checksum": await self._merge_on_worker(_checksum, self.theta),
         }
+        phases.done("checksum")
         entry["latency_s"] = round(time.monotonic() - ready, 6)  # round ready to committing
+        entry["phases_s"] = dict(phases.seconds)  # where its time went (so far)
         status, now_version = await self.store.commit(
             Commit(
                 fragment=p,
@@ -777,6 +798,7 @@ class FragmentOwner:
                 log_entry=entry,
             )
         )
+        phases.done("commit")
         if status != "committed":
             # The in-memory state moved past what Redis holds: this owner is done with it.
             self.lost = True
@@ -838,6 +860,32 @@ class FragmentOwner:
         if self._writing is not None:
             self._writing.cancel()
         self.worker.shutdown(wait=False, cancel_futures=True)
+
+
+def _each_chunk(fn: Any, chunks: list[Chunk]) -> None:
+    """`fn` on each of one update's chunks, side by side on the step pool: they are
+    disjoint ranges of values, so no two touch the same part of a sum (the worker waits
+    for them: still one of the fragment's jobs at a time). A move at sealing re-decodes
+    an update's chunks twice; one after another it was most of a merge's tail."""
+    if len(chunks) < 2:
+        for chunk in chunks:
+            fn(chunk)
+        return
+    list(_STEP_POOL.map(fn, chunks))
+
+
+class _Phases:
+    """A merge's phases, each observed as it ends (atoll_merge_phase_seconds)."""
+
+    def __init__(self) -> None:
+        self.mark = time.monotonic()
+        self.seconds: dict[str, float] = {}
+
+    def done(self, phase: str) -> None:
+        now = time.monotonic()
+        tm.MERGE_PHASE_SECONDS.labels(phase=phase).observe(now - self.mark)
+        self.seconds[phase] = round(now - self.mark, 4)
+        self.mark = now
 
 
 def step_scale(steps: int, reference_steps: int) -> float:
