@@ -79,6 +79,30 @@ def _redis_figures(url: str) -> tuple[float, int]:
     return peak, largest
 
 
+def _phase_means(metrics_ports: list[int], histogram: str) -> dict[str, float]:
+    """Mean seconds per phase of a histogram with a `phase` label, over the replicas, from
+    their /metrics: what an Ingest call waited for, where a merge's time went."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for port in metrics_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name != histogram:
+                continue
+            for sample in family.samples:
+                phase = sample.labels.get("phase", "")
+                if sample.name.endswith("_sum"):
+                    sums[phase] = sums.get(phase, 0.0) + sample.value
+                elif sample.name.endswith("_count"):
+                    counts[phase] = counts.get(phase, 0.0) + sample.value
+    return {phase: round(sums[phase] / counts[phase], 4) for phase in sums if counts.get(phase)}
+
+
 def _initialize(address: str, spec: list[LeafSpec], fragments: int) -> None:
     """Send the job's initial parameters through the protocol, one fragment at a time."""
     client = SynchronizerClient(
@@ -160,6 +184,8 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
                             str(result),
                             "--codec",
                             settings.codec,
+                            "--calls",
+                            str(settings.calls),
                         ),
                         run_dir / f"learner-{i}.log",
                         child_env(1),
@@ -183,6 +209,9 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
                 if isinstance(owner, bytes):
                     owned[owner.decode().rsplit(" ", 1)[0]] += 1
             rss = [_peak_rss_mb(c.process.pid) for c in children if c.process is not None]
+            ports = [c.metrics_port for c in children]
+            waits = _phase_means(ports, "atoll_ingest_wait_seconds")
+            merge_phases = _phase_means(ports, "atoll_merge_phase_seconds")
             peak, largest = _redis_figures(redis_server.url)
         finally:
             for learner in learners:
@@ -190,6 +219,7 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
             for child in children:
                 child.stop()
     entries = [e for log in logs for e in log if "latency_s" in e]
+    calls = [float(c) for r in results for c in r["calls_s"]]
     latencies = [float(e["latency_s"]) for e in entries]
     seconds = max(r["seconds"] for r in results)
     fragment_mb = n * 4 / 1e6
@@ -200,6 +230,13 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
         "updates_sent": sum(r["sent"] for r in results),
         "updates_received": sum(r["received"] for r in results),
         "pushed_mb_s": round(sum(r["bytes_down"] for r in results) / seconds / 1e6, 2),
+        # One Ingest call as its learner saw it, and what the replicas say it waited for.
+        "ingest_call_s": {
+            "p50": round(_percentile(calls, 50), 4),
+            "p99": round(_percentile(calls, 99), 4),
+        },
+        "ingest_wait_mean_s": waits,
+        "merge_phase_mean_s": merge_phases,
         "merges": sum(len(log) for log in logs),
         "fragments_owned": [owned[c.name] for c in children],
         "peak_rss_mb": [round(x, 1) for x in rss],
@@ -210,11 +247,12 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
             "p50": round(_percentile(latencies, 50), 4),
             "p99": round(_percentile(latencies, 99), 4),
         },
-        # Where the tail is: [fragment, version, seconds] of the slowest merges.
-        "slowest_merges": sorted(
-            ([int(e["fragment"]), int(e["version"]), float(e["latency_s"])] for e in entries),
-            key=lambda m: -m[2],
-        )[:4],
+        # Where the tail is: [fragment, version, seconds, {phase: seconds}] of the slowest
+        # merges (the time from ready to the merge's start is the rest).
+        "slowest_merges": [
+            [int(e["fragment"]), int(e["version"]), float(e["latency_s"]), e.get("phases_s")]
+            for e in sorted(entries, key=lambda e: -float(e["latency_s"]))[:4]
+        ],
     }
 
 
@@ -241,6 +279,7 @@ def run(settings: ScaleBench) -> None:
         "fragments": settings.fragments,
         "codec": settings.codec,
         "learners": settings.learners,
+        "calls": settings.calls,
         "seconds": settings.seconds,
         "replicas": counts,
         "ingest_mb_s": [row["ingest_mb_s"] for row in rows],
@@ -359,6 +398,36 @@ class _Session:
         self.channel.close()
 
 
+class _Fragments:
+    """Which fragment a learner's sender takes next: round robin from the learner's own
+    start, skipping those another of its senders is sending (one update of a learner per
+    fragment at a time, as its client sends)."""
+
+    def __init__(self, start: int, count: int, versions: dict[int, int]) -> None:
+        self.next, self.count = start, count
+        self.busy: set[int] = set()
+        self.versions = versions  # the newest version of each fragment the session saw
+        self.after: dict[int, int] = {}  # sent again once its version passes this
+        self.lock = threading.Lock()
+
+    def take(self) -> int | None:
+        with self.lock:
+            for _ in range(self.count):
+                p, self.next = self.next, (self.next + 1) % self.count
+                if p not in self.busy and self.versions.get(p, 0) > self.after.get(p, -1):
+                    self.busy.add(p)
+                    return p
+            return None
+
+    def give_back(self, p: int, received_at: int | None) -> None:
+        """`received_at`: the fragment's version when its owner received the update (its
+        next update waits until that one merged), None if it was not received."""
+        with self.lock:
+            self.busy.discard(p)
+            if received_at is not None:
+                self.after[p] = received_at
+
+
 def run_learner(settings: ScaleLearner) -> None:
     spec = model_spec(settings.params, settings.fragments)
     segments = codecs.unpack_segments(settings.update.read_bytes())
@@ -376,46 +445,76 @@ def run_learner(settings: ScaleLearner) -> None:
         for p in range(settings.fragments)
     }
     channels: dict[str, Any] = {}
-    sent = received = seq = 0
+    lock = threading.Lock()
+    counts = {"sent": 0, "received": 0, "seq": 0}
+    calls: list[float] = []
+    fragments = _Fragments(
+        settings.index % settings.fragments, settings.fragments, session.versions
+    )
     started = time.monotonic()
     deadline = started + settings.seconds
-    p = settings.index % settings.fragments
-    while time.monotonic() < deadline:
+
+    def send(p: int) -> int | None:
+        """Send an update of fragment `p`; the version its owner received it at, if it did."""
         address = session.owners.get(p)
         if address is None:
             time.sleep(0.05)
-            continue
-        if address not in channels:
-            channels[address] = grpc.insecure_channel(address, options=channel_options(1.0))
+            return None
+        with lock:
+            if address not in channels:
+                channels[address] = grpc.insecure_channel(address, options=channel_options(1.0))
+            counts["seq"] += 1
+            seq = counts["seq"]
         call = channels[address].stream_unary(
             f"/{SERVICE}/Ingest",
             request_serializer=None,
             response_deserializer=session_pb2.Ack.FromString,
         )
-        seq += 1
         tail = session_pb2.UpdateChunk(
             seq=seq, base_version=session.versions.get(p, 0)
         ).SerializeToString()
+        began = time.monotonic()
         try:
             ack = call(iter([c + tail for c in static[p]]), timeout=120)
         except grpc.RpcError:
             time.sleep(0.1)
-            continue
-        sent += 1
-        if ack.status == session_pb2.ACK_STATUS_RECEIVED:
-            received += 1
-        session.versions[p] = max(session.versions.get(p, 0), ack.version)
-        p = (p + 1) % settings.fragments
+            return None
+        with lock:
+            calls.append(round(time.monotonic() - began, 4))
+            counts["sent"] += 1
+            if ack.status != session_pb2.ACK_STATUS_RECEIVED:
+                return None
+            counts["received"] += 1
+            return int(ack.version)
+
+    def sender() -> None:
+        while time.monotonic() < deadline:
+            p = fragments.take()
+            if p is None:
+                time.sleep(0.05)
+                continue
+            received_at = None
+            try:
+                received_at = send(p)
+            finally:
+                fragments.give_back(p, received_at)
+
+    senders = [threading.Thread(target=sender, daemon=True) for _ in range(settings.calls)]
+    for thread in senders:
+        thread.start()
+    for thread in senders:
+        thread.join()
     elapsed = time.monotonic() - started
     session.close()
     settings.result.write_text(
         json.dumps(
             {
-                "bytes": received * payload,
-                "received": received,
-                "sent": sent,
+                "bytes": counts["received"] * payload,
+                "received": counts["received"],
+                "sent": counts["sent"],
                 "seconds": elapsed,
                 "bytes_down": session.bytes_down,
+                "calls_s": calls,
             }
         )
     )

@@ -39,6 +39,13 @@ class ScaleBench(_Output):
     learners: int = Field(8, ge=1, le=64, description="synthetic learner processes")
     seconds: float = Field(20.0, gt=0.0, description="seconds each replica count streams")
     codec: str = Field("int4", description="codec of the pre-encoded updates")
+    calls: int = Field(
+        4,
+        ge=1,
+        le=16,
+        description="Ingest calls each synthetic learner keeps in flight, each to a fragment "
+        "none of its others is sending (a learner's client keeps 4)",
+    )
 
     def cli_cmd(self) -> None:
         from bench.scale import run
@@ -60,6 +67,7 @@ class ScaleLearner(BaseModel):
     seconds: float = Field(description="how long to stream")
     result: Path = Field(description="where to write the result JSON")
     codec: str = Field("int4", description="codec the update was encoded with")
+    calls: int = Field(4, ge=1, description="Ingest calls in flight at once")
 
     def cli_cmd(self) -> None:
         from bench.scale import run_learner
