@@ -3,15 +3,17 @@
 For each replica count R, in this one invocation: a fresh Redis and tensor store, R replicas
 (each its own process), a model of N parameters in P fragments initialized through the real
 protocol, then L synthetic learners (processes) that stream pre-encoded int4 updates to each
-fragment's owner over Ingest calls, round robin over the fragments, while rounds merge at the
-default cadence (decoupled, quorum 1, adaptive grace). Each learner holds its control session
-with one replica, spread over them as a Service spreads them, reads every global fragment
-that replica pushes (counted, not decoded) and heartbeats like a real one. Reported per R:
-payload MB/s received, updates sent and received, MB/s pushed to the learners, merges (and
-the slowest four), each replica's peak RSS (the kernel's high-water mark) against the bound
-6 x the fp32 bytes of the fragments it owns + 500 MB, Redis's peak memory and largest value,
-and merge latency (a round ready, by its last update or its grace window's end, to its
-version committed).
+fragment's owner over Ingest calls (`--calls` at once), round robin over the fragments, each
+fragment again once its last update merged, while rounds merge at the default cadence
+(decoupled, quorum 1, adaptive grace). Each learner holds its control session with one
+replica, spread over them as a Service spreads them, reads every global fragment that
+replica pushes (counted, not decoded) and heartbeats like a real one. Reported per R:
+payload MB/s received, updates sent and received, MB/s pushed to the learners, one call's
+time and what the replicas say it waited for, merges (the slowest four, with their phases,
+and the mean of each phase), each replica's peak RSS (the kernel's high-water mark) against
+the bound 6 x the fp32 bytes of the fragments it owns + 500 MB, Redis's peak memory and
+largest value, and merge latency (a round ready, by its last update or its grace window's
+end, to its version committed).
 """
 
 from __future__ import annotations

@@ -40,11 +40,13 @@ class ScaleBench(_Output):
     seconds: float = Field(20.0, gt=0.0, description="seconds each replica count streams")
     codec: str = Field("int4", description="codec of the pre-encoded updates")
     calls: int = Field(
-        4,
+        1,
         ge=1,
         le=16,
         description="Ingest calls each synthetic learner keeps in flight, each to a fragment "
-        "none of its others is sending (a learner's client keeps 4)",
+        "none of its others is sending, and each fragment sent again once its last update "
+        "merged (a learner's client keeps up to 4; more in flight than rounds merge means "
+        "updates moved between rounds, and payload bytes held while they arrive)",
     )
 
     def cli_cmd(self) -> None:
@@ -67,7 +69,7 @@ class ScaleLearner(BaseModel):
     seconds: float = Field(description="how long to stream")
     result: Path = Field(description="where to write the result JSON")
     codec: str = Field("int4", description="codec the update was encoded with")
-    calls: int = Field(4, ge=1, description="Ingest calls in flight at once")
+    calls: int = Field(1, ge=1, description="Ingest calls in flight at once")
 
     def cli_cmd(self) -> None:
         from bench.scale import run_learner
