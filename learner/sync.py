@@ -488,6 +488,23 @@ class SyncEngine:
                 break
         self.add_badput(source, time.monotonic() - t0)
 
+    def _wait_for_final_acks(self, timeout: float = FINAL_SYNC_TIMEOUT_S) -> None:
+        """Block until every update sent has its final ack (merged, a duplicate, or refused).
+        One an owner received but had not merged when it died is still this learner's to
+        send again: saying `done` before it merges would let the job end first, and it
+        would merge after the learners had taken what they took as the final model."""
+        t0 = time.monotonic()
+        self._drain_acks()
+        while (self.pending_acks or self._encoding) and time.monotonic() - t0 < timeout:
+            if self.stop_requested.is_set():
+                break
+            self.client.check()
+            self._apply_arrivals(timeout=0.05)
+            self._drain_acks()
+        if self.pending_acks:
+            log.warning("final_acks_missing", updates=sorted(self.pending_acks))
+        self.add_badput("waiting", time.monotonic() - t0)
+
     def _drain_acks(self) -> None:
         still = []
         for job in self._encoding:
@@ -600,7 +617,7 @@ class SyncEngine:
             self.heartbeat(last_sent=True)
             for p in range(self.fragments):
                 self._wait_for(p, source="waiting")
-            self._drain_acks()
+            self._wait_for_final_acks()
             self.heartbeat(done=True)
             tm.GOODPUT.end()
             self._linger()
