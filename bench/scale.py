@@ -59,6 +59,10 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
+def _p50_p99(values: list[float]) -> dict[str, float]:
+    return {"p50": round(_percentile(values, 50), 4), "p99": round(_percentile(values, 99), 4)}
+
+
 def _peak_rss_mb(pid: int) -> float:
     """The process's peak resident set (VmHWM), in MB."""
     try:
@@ -233,10 +237,7 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
         "updates_received": sum(r["received"] for r in results),
         "pushed_mb_s": round(sum(r["bytes_down"] for r in results) / seconds / 1e6, 2),
         # One Ingest call as its learner saw it, and what the replicas say it waited for.
-        "ingest_call_s": {
-            "p50": round(_percentile(calls, 50), 4),
-            "p99": round(_percentile(calls, 99), 4),
-        },
+        "ingest_call_s": _p50_p99(calls),
         "ingest_wait_mean_s": waits,
         "merge_phase_mean_s": merge_phases,
         "merges": sum(len(log) for log in logs),
@@ -245,10 +246,7 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
         "rss_bound_mb": [round(b, 1) for b in bounds],
         "redis_used_memory_peak_mb": round(peak, 2),
         "max_redis_value_bytes": largest,
-        "merge_latency_s": {
-            "p50": round(_percentile(latencies, 50), 4),
-            "p99": round(_percentile(latencies, 99), 4),
-        },
+        "merge_latency_s": _p50_p99(latencies),
         # Where the tail is: [fragment, version, seconds, {phase: seconds}] of the slowest
         # merges (the time from ready to the merge's start is the rest).
         "slowest_merges": [

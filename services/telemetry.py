@@ -133,13 +133,15 @@ MERGE_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
     registry=_S,
 )
+# Seconds one phase of a merge or of an Ingest call may take: a millisecond to ten seconds.
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 MERGE_PHASE_SECONDS = Histogram(
     "atoll_merge_phase_seconds",
     "Time one merge spent, by phase: summing provisional updates (provisional), waiting for "
     "a keyframe write (keyframe_wait), the outer step (step), writing the delta "
     "(delta_write), the value's checksum (checksum), the commit in Redis (commit)",
     ["phase"],
-    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    buckets=PHASE_BUCKETS,
     registry=_S,
 )
 INGEST_WAIT_SECONDS = Histogram(
@@ -147,7 +149,7 @@ INGEST_WAIT_SECONDS = Histogram(
     "Time one Ingest call of an update waited, by what it waited for: the learner's next "
     "chunk (read), chunk sums on the fragment's worker (sum), recording it (record)",
     ["phase"],
-    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    buckets=PHASE_BUCKETS,
     registry=_S,
 )
 STALENESS = Histogram(

@@ -522,18 +522,18 @@ class FragmentOwner:
         moving = [
             chunk
             for chunk in update.chunks
-            if chunk.accumulator is sealed
-            or (chunk.accumulator is not None and chunk.accumulator is sealed.provisional)
+            if chunk.accumulator is not None
+            and (chunk.accumulator is sealed or chunk.accumulator is sealed.provisional)
         ]
         if not moving:
             return
         target = self._sum_for(update)
 
         def move(chunk: Chunk) -> None:
-            if chunk.accumulator is not None:
-                self._sum(update, chunk.accumulator, chunk.segment, -update.weight)
-                self._sum(update, target, chunk.segment, update.weight)
-                chunk.accumulator = target
+            assert chunk.accumulator is not None  # `moving` holds summed chunks only
+            self._sum(update, chunk.accumulator, chunk.segment, -update.weight)
+            self._sum(update, target, chunk.segment, update.weight)
+            chunk.accumulator = target
 
         _each_chunk(move, moving)
 
