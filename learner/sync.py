@@ -477,9 +477,26 @@ class SyncEngine:
 
     def _wait_for(self, p: int, source: str, timeout: float = FINAL_SYNC_TIMEOUT_S) -> None:
         """Block until fragment p's reply is adopted (sync mode, final sync)."""
-        t0 = time.monotonic()
         f = self.outer.fragments[p]
-        while f.in_flight and time.monotonic() - t0 < timeout:
+        self._wait_while(lambda: f.in_flight, source, timeout)
+
+    def _wait_for_final_acks(self) -> None:
+        """Block until every update sent has its final ack (merged, a duplicate, or refused).
+        One an owner received but had not merged when it died is still this learner's to
+        send again: saying `done` before it merges would let the job end first, and it
+        would merge after the learners had taken what they took as the final model."""
+        self._drain_acks()
+        self._wait_while(lambda: bool(self.pending_acks or self._encoding), "waiting")
+        if self.pending_acks:
+            log.warning("final_acks_missing", updates=sorted(self.pending_acks))
+
+    def _wait_while(
+        self, pending: Callable[[], bool], source: str, timeout: float = FINAL_SYNC_TIMEOUT_S
+    ) -> None:
+        """Take acks and global values while `pending()` holds, for at most `timeout` (a
+        stop request ends a final wait); the time waited is badput of `source`."""
+        t0 = time.monotonic()
+        while pending() and time.monotonic() - t0 < timeout:
             self.client.check()
             self._drain_acks()
             if self._apply_arrivals(timeout=0.05):
@@ -487,23 +504,6 @@ class SyncEngine:
             if self.stop_requested.is_set() and source == "waiting":
                 break
         self.add_badput(source, time.monotonic() - t0)
-
-    def _wait_for_final_acks(self, timeout: float = FINAL_SYNC_TIMEOUT_S) -> None:
-        """Block until every update sent has its final ack (merged, a duplicate, or refused).
-        One an owner received but had not merged when it died is still this learner's to
-        send again: saying `done` before it merges would let the job end first, and it
-        would merge after the learners had taken what they took as the final model."""
-        t0 = time.monotonic()
-        self._drain_acks()
-        while (self.pending_acks or self._encoding) and time.monotonic() - t0 < timeout:
-            if self.stop_requested.is_set():
-                break
-            self.client.check()
-            self._apply_arrivals(timeout=0.05)
-            self._drain_acks()
-        if self.pending_acks:
-            log.warning("final_acks_missing", updates=sorted(self.pending_acks))
-        self.add_badput("waiting", time.monotonic() - t0)
 
     def _drain_acks(self) -> None:
         still = []
