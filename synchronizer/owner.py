@@ -117,6 +117,8 @@ class Update:
     # No other learner's update to cap the weight against when it began: it is summed only
     # once its round is sealed, capped against the round's other members then.
     provisional: bool = False
+    began: float = field(default_factory=time.monotonic)
+    arrived: int = 0  # values whose chunks have come (queued to be summed, or summed)
 
     @property
     def norm(self) -> float:
@@ -191,6 +193,7 @@ class FragmentOwner:
         self.deadline: float | None = None
         self.t_sync_s = 0.0
         self.last_received = 0.0  # when the open round's newest member was received
+        self.held_at = 0.0  # when the open round was last held for an update streaming in
         self.lost = False
         self.merging = False
         self.wake = asyncio.Event()
@@ -398,6 +401,7 @@ class FragmentOwner:
     def add(self, update: Update, offset: int, count: int, data: bytes) -> asyncio.Future[None]:
         """Queue one chunk to be hashed, decoded and summed into the update's round on the
         fragment's worker, in arrival order; the future raises CodecError or NormTooLarge."""
+        update.arrived += count
         return asyncio.get_running_loop().run_in_executor(
             self.worker, self._add, update, offset, count, data
         )
@@ -633,6 +637,13 @@ class FragmentOwner:
             and (lv.still_to_send is None or self.fragment in lv.still_to_send)
         )
         waiting += len(in_flight - {lv.learner for lv in live.learners})
+        # When each update streaming into this round is expected in, at the pace its chunks
+        # have come so far (an update covers the whole fragment). None before its first chunk.
+        etas = tuple(
+            (self.size - u.arrived) * (now - u.began) / u.arrived
+            for u in self.in_flight
+            if u.accumulator is self.current and u.arrived
+        )
         state = RoundState(
             contributors=len(contributors),
             live_learners=len(live.learners),
@@ -642,6 +653,7 @@ class FragmentOwner:
             now=now,
             finished_learners=finished,
             waiting=waiting,
+            streaming_eta_s=etas,
         )
         slowest = max((lv.step_time_ema_s for lv in live.learners), default=0.0)
         return state, slowest
@@ -656,6 +668,8 @@ class FragmentOwner:
         if decision.new_deadline is not None and decision.grace_s is not None:
             self.quorum_at, self.deadline = now, decision.new_deadline
             tm.GRACE_SECONDS.observe(decision.grace_s)
+        if decision.held:
+            self.held_at = now
         if decision.merge_now:
             live_count = len(live.learners) if self.config.partial_rounds == "scaled" else 0
             await self.merge(live_count)
@@ -663,8 +677,10 @@ class FragmentOwner:
     async def merge(self, live_learners: int) -> None:
         self.merging = True
         started = time.monotonic()
-        # A round is ready once its last update is in, or its grace window ends.
-        ready = max(self.last_received, min(self.deadline or 0.0, started))
+        # A round is ready once its last update is in, or its grace window ends (the last
+        # time it was held for an update streaming in, if later).
+        window = max(self.deadline or 0.0, self.held_at)
+        ready = max(self.last_received, min(window, started))
         try:
             members, sealed = self._seal()
             if not members:
@@ -818,6 +834,7 @@ class FragmentOwner:
             seconds if not self.t_sync_s else T_SYNC_DECAY * self.t_sync_s + 0.2 * seconds
         )
         self.opened_at, self.quorum_at, self.deadline = time.monotonic(), None, None
+        self.held_at = 0.0
         for s in staleness:
             tm.STALENESS.observe(s)
         tm.QUORUM_SIZE.observe(len(learners))

@@ -38,6 +38,9 @@ class RoundState:
     # Live learners that may still send an update to this round (not in it, not finished, not
     # finishing without this fragment still to send); None: not known.
     waiting: int | None = None
+    # Seconds until each update already streaming into this round is expected in (from how
+    # fast its chunks have come so far).
+    streaming_eta_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ class Decision:
     # Set when the round reaches quorum now: the deadline to record, and the grace behind it.
     new_deadline: float | None = None
     grace_s: float | None = None
+    # Not merged only because an update streaming in is waited for (`coalescing`): the round
+    # is still in its window.
+    held: bool = False
 
 
 def required_quorum(policy: RoundPolicy, live_learners: int) -> int:
@@ -69,6 +75,24 @@ def required_quorum(policy: RoundPolicy, live_learners: int) -> int:
     if policy.mode == "sync":
         return max(1, policy.quorum, live_learners)
     return max(1, min(policy.quorum, live_learners)) if live_learners else policy.quorum
+
+
+def coalescing(state: RoundState, policy: RoundPolicy, t_sync_s: float) -> bool:
+    """Whether a round that could merge now waits for an update already streaming into it.
+
+    It does when that update is expected in before one merge's time (t_sync, the fragment's
+    recent merges) has passed since the round reached quorum. Merging without it would seal
+    the round under it, move what of it was summed to the next round, and give it a merge of
+    its own, which starts only once this one has ended: waiting commits it sooner, and this
+    round's members by at most t_sync later, for one merge instead of two. Decoupled rounds
+    under the adaptive window only (a fixed window is what its user asked for; a sync round
+    waits for everyone anyway); never past --max-grace-seconds.
+    """
+    if policy.mode != "decoupled" or policy.fixed_grace_s is not None or t_sync_s <= 0.0:
+        return False
+    since = state.now - state.quorum_at if state.quorum_at is not None else 0.0
+    left = min(t_sync_s, policy.max_grace_s) - since
+    return any(eta <= left for eta in state.streaming_eta_s)
 
 
 def decide(
@@ -110,6 +134,15 @@ def decide(
                     gamma=policy.gamma,
                 ),
             )
-        return Decision(merge_now=grace <= 0.0, new_deadline=state.now + grace, grace_s=grace)
+        held = grace <= 0.0 and coalescing(state, policy, t_sync_s)
+        return Decision(
+            merge_now=grace <= 0.0 and not held,
+            new_deadline=state.now + grace,
+            grace_s=grace,
+            held=held,
+        )
     deadline = state.deadline if state.deadline is not None else state.quorum_at
-    return Decision(merge_now=everyone_in or state.now >= deadline)
+    if everyone_in or state.now < deadline:
+        return Decision(merge_now=everyone_in)
+    held = coalescing(state, policy, t_sync_s)
+    return Decision(merge_now=not held, held=held)

@@ -108,3 +108,44 @@ def test_the_adaptive_grace_window_is_capped() -> None:
     # A learner claiming an hour a step would hold the round open for four hours.
     decision = decide(state, policy, slowest_step_s=3600.0, t_sync_s=0.1)
     assert decision.grace_s == 30.0
+
+
+def test_a_round_waits_for_an_update_streaming_in_for_at_most_a_merges_time() -> None:
+    from synchronizer.rounds import RoundPolicy, RoundState, decide
+
+    policy = RoundPolicy("decoupled", 1, 5, 0.8, None)
+
+    def at(now: float, quorum_at: float | None, *etas: float) -> RoundState:
+        return RoundState(
+            contributors=1,
+            live_learners=3,
+            opened_at=0.0,
+            quorum_at=quorum_at,
+            deadline=quorum_at,
+            now=now,
+            waiting=2,
+            streaming_eta_s=etas,
+        )
+
+    # Quorum now, no slack for a grace window (step 0.01 s): merge, unless an update streaming
+    # in is expected within a merge's time (0.8 s).
+    assert decide(at(10.0, None), policy, slowest_step_s=0.01, t_sync_s=0.8).merge_now
+    assert decide(at(10.0, None, 1.5), policy, slowest_step_s=0.01, t_sync_s=0.8).merge_now
+    held = decide(at(10.0, None, 2.0, 0.3), policy, slowest_step_s=0.01, t_sync_s=0.8)
+    assert held.held
+    assert not held.merge_now
+    assert held.new_deadline == 10.0
+    assert held.grace_s == 0.0
+    # Later: still held while the update is expected before quorum + t_sync, not after.
+    later = decide(at(10.5, 10.0, 0.2), policy, slowest_step_s=0.01, t_sync_s=0.8)
+    assert later.held
+    assert not later.merge_now
+    assert decide(at(10.7, 10.0, 0.2), policy, slowest_step_s=0.01, t_sync_s=0.8).merge_now
+    assert decide(at(10.5, 10.0), policy, slowest_step_s=0.01, t_sync_s=0.8).merge_now
+    # No merge measured yet, a fixed window, or a sync round: nothing is held.
+    assert decide(at(10.0, None, 0.1), policy, slowest_step_s=0.01, t_sync_s=0.0).merge_now
+    fixed = RoundPolicy("decoupled", 1, 5, 0.8, 0.0)
+    assert decide(at(10.0, None, 0.1), fixed, slowest_step_s=0.01, t_sync_s=0.8).merge_now
+    # Never past the cap on grace windows.
+    capped = RoundPolicy("decoupled", 1, 5, 0.8, None, max_grace_s=0.2)
+    assert decide(at(10.0, None, 0.3), capped, slowest_step_s=0.01, t_sync_s=0.8).merge_now
