@@ -147,7 +147,8 @@ MERGE_PHASE_SECONDS = Histogram(
 INGEST_WAIT_SECONDS = Histogram(
     "atoll_ingest_wait_seconds",
     "Time one Ingest call of an update waited, by what it waited for: the learner's next "
-    "chunk (read), chunk sums on the fragment's worker (sum), recording it (record)",
+    "chunk (read), chunk sums on the fragment's worker (sum), recording it (record), the "
+    "replica's learners to catch up on global fragments before reading more (downlink)",
     ["phase"],
     buckets=PHASE_BUCKETS,
     registry=_S,

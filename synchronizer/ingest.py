@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -35,6 +36,7 @@ log = structlog.get_logger("atoll.synchronizer.ingest")
 WAIT_READ = tm.INGEST_WAIT_SECONDS.labels(phase="read")
 WAIT_SUM = tm.INGEST_WAIT_SECONDS.labels(phase="sum")
 WAIT_RECORD = tm.INGEST_WAIT_SECONDS.labels(phase="record")
+WAIT_DOWNLINK = tm.INGEST_WAIT_SECONDS.labels(phase="downlink")
 
 NOT_OWNER = "not the owner of fragment {p}; look up the owner map again and resend"
 
@@ -71,6 +73,13 @@ REFUSALS: dict[str, tuple[str, grpc.StatusCode, str]] = {
 }
 
 
+@dataclass
+class Waits:
+    """What one Ingest call waited for besides reading and summing."""
+
+    downlink: float = 0.0  # the replica's learners to catch up on global fragments
+
+
 class Ingest:
     def __init__(
         self,
@@ -80,8 +89,11 @@ class Ingest:
         layout: Callable[[], FragmentLayout | None],
         max_per_slot: int = 8,
         parts_timeout_s: float = 60.0,
+        downlink_caught_up: Callable[[], Awaitable[float]] | None = None,
     ) -> None:
         self.config, self.store, self.ownership, self._layout = config, store, ownership, layout
+        # Waits while the replica's learners are behind on global fragments (Sessions).
+        self.downlink_caught_up = downlink_caught_up
         self.max_per_slot = max_per_slot
         # Ingest calls per learner slot (and, for a learner of several processes, per part)
         self.in_flight: Counter[tuple[str, int]] = Counter()
@@ -157,10 +169,14 @@ class Ingest:
         return await self._update(owner, codec, first, request_iterator)
 
     async def _chunks(
-        self, first: session_pb2.UpdateChunk, rest: AsyncIterator[session_pb2.UpdateChunk]
+        self,
+        first: session_pb2.UpdateChunk,
+        rest: AsyncIterator[session_pb2.UpdateChunk],
+        waits: Waits,
     ) -> AsyncIterator[tuple[session_pb2.UpdateChunk, bytes]]:
         """The call's chunks in order, each checked against the first's header, with its
-        bytes (read once: each read of a message's bytes field is a copy)."""
+        bytes (read once: each read of a message's bytes field is a copy); each next one
+        read once the downlink is not behind (`waits.downlink`: how long that took)."""
         expected_offset, n = 0, first.header.num_elements
         chunk: session_pb2.UpdateChunk | None = first
         index, received = 0, 0
@@ -181,6 +197,8 @@ class Ingest:
             yield chunk, data
             expected_offset += chunk.value_count
             index += 1
+            if self.downlink_caught_up is not None:
+                waits.downlink += await self.downlink_caught_up()
             chunk = await anext(rest, None)
         if (
             expected_offset != n
@@ -218,18 +236,19 @@ class Ingest:
             return await self._refuse(first, rejection)
         summing = Summing()
         clock = time.perf_counter
-        waited, mark = 0.0, clock()
+        waited, mark, waits = 0.0, clock(), Waits()
         try:
             # The next chunk is read while the last ones are summed on the fragment's worker.
-            async for chunk, data in self._chunks(first, rest):
+            async for chunk, data in self._chunks(first, rest, waits):
                 began = clock()
                 await summing.add(owner.add(update, chunk.value_offset, chunk.value_count, data))
                 waited += clock() - began
             began = clock()
             await summing.done()
             waited += clock() - began
-            WAIT_READ.observe(clock() - mark - waited)
+            WAIT_READ.observe(clock() - mark - waited - waits.downlink)
             WAIT_SUM.observe(waited)
+            WAIT_DOWNLINK.observe(waits.downlink)
             if update.hasher.intdigest() != first.header.checksum:
                 raise Rejection(
                     "checksum",
@@ -294,7 +313,7 @@ class Ingest:
         values = np.empty(owner.size, np.float32)
         hasher = xxhash.xxh3_64()
         try:
-            async for chunk, data in self._chunks(first, rest):
+            async for chunk, data in self._chunks(first, rest, Waits()):
                 try:
                     part = codecs.by_name("fp32").decode(data, chunk.value_count, 0)
                 except codecs.CodecError as err:

@@ -46,6 +46,13 @@ from synchronizer.values import RebuiltValues, float32_bytes
 log = structlog.get_logger("atoll.synchronizer.session")
 
 OUTBOX_LIMIT = 4096  # messages queued for one learner before it counts as too slow
+# Uploads wait while most of this replica's learners have more than this many bytes of
+# global fragments queued to them: a replica takes updates in no faster than it can hand the
+# values they make back out (each merge's delta goes to every learner). Without it a busy
+# replica reads uploads and leaves the downlink to pile up, until learners train on stale
+# values or their sessions overflow (OUTBOX_LIMIT).
+DOWNLINK_BACKLOG_BYTES = 256 << 20
+DOWNLINK_WAIT_MAX_S = 5.0  # an upload's chunk waits no longer than this (a learner stuck)
 MAX_DELTA_CHAIN = 8  # deltas sent to catch a learner up before a whole value is cheaper
 WATCH_S = 0.05  # how often the fragments' versions and owners are read
 
@@ -120,6 +127,7 @@ class Connection:
     counted_steps: float = 0.0
     counted_at: float = field(default_factory=time.monotonic)
     rate_bound_told: bool = False  # the log said once that this session's claims ran ahead
+    queued_bytes: int = 0  # serialized fragment chunks in the outbox, not yet sent
 
     @property
     def prefix(self) -> str:
@@ -134,7 +142,15 @@ class Connection:
                 )
             )
             return
+        if isinstance(message, bytes):
+            self.queued_bytes += len(message)
         self.outbox.put_nowait(message)
+
+
+def most_behind(queued: list[int], mark: int = DOWNLINK_BACKLOG_BYTES) -> bool:
+    """Whether most learners (the lower median of the bytes queued to each) are over `mark`."""
+    ordered = sorted(queued)
+    return bool(ordered) and ordered[(len(ordered) - 1) // 2] > mark
 
 
 def _serialize(chunks: list[fragment_pb2.GlobalFragmentChunk]) -> list[tuple[int, bytes]]:
@@ -214,6 +230,7 @@ class Sessions:
         self.ownership, self.tape = ownership, tape
         self._layout, self._adopt_spec = layout, adopt_spec
         self.connections: dict[str, Connection] = {}
+        self._downlink_sent = asyncio.Event()  # set as fragment chunks leave an outbox
         # Whole values served (joins, learners too far behind for deltas, shard fetches).
         self.rebuilt = RebuiltValues(codecs.by_name(settings.downlink_codec), settings.block_size)
         self.owner_map: list[session_pb2.FragmentOwner] = []
@@ -223,6 +240,27 @@ class Sessions:
         self._spec_welcome: tuple[str, session_pb2.Welcome] | None = None  # its params only
 
     # --- the control stream ---------------------------------------------------------------
+    def downlink_behind(self) -> bool:
+        """Whether most of this replica's learners (the lower median: one slow learner alone
+        holds no upload back) have over DOWNLINK_BACKLOG_BYTES of fragments queued to them."""
+        return most_behind([c.queued_bytes for c in self.connections.values()])
+
+    async def downlink_caught_up(self) -> float:
+        """Wait, at most DOWNLINK_WAIT_MAX_S, until the downlink is not behind; the seconds
+        waited. An upload's next chunk is read only then (`Ingest`), so HTTP/2 flow control
+        slows the learners' uploads while the replica sends the values their merges made."""
+        if not self.downlink_behind():
+            return 0.0
+        began = time.monotonic()
+        while self.downlink_behind():
+            left = DOWNLINK_WAIT_MAX_S - (time.monotonic() - began)
+            if left <= 0:
+                break
+            self._downlink_sent.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._downlink_sent.wait(), left)
+        return time.monotonic() - began
+
     async def Session(
         self,
         request_iterator: AsyncIterator[session_pb2.LearnerMessage],
@@ -260,6 +298,9 @@ class Sessions:
                 item = await conn.outbox.get()
                 if item is None:
                     break
+                if isinstance(item, bytes):
+                    conn.queued_bytes -= len(item)
+                    self._downlink_sent.set()
                 if isinstance(item, SessionClosed):
                     await context.abort(item.code, item.details)
                     return
@@ -272,6 +313,7 @@ class Sessions:
                 with contextlib.suppress(Exception):
                     await self.store.leave(conn.learner, conn.incarnation)
             tm.LEARNERS_CONNECTED.set(len(self.connections))
+            self._downlink_sent.set()  # its outbox counts no more
             log.info("learner_left", learner=conn.learner, incarnation=conn.incarnation)
 
     async def _hello(
