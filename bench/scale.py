@@ -19,6 +19,7 @@ end, to its version committed).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -72,6 +73,23 @@ def _peak_rss_mb(pid: int) -> float:
     except OSError:
         pass
     return 0.0
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) a live process has used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """The machine's busy and total CPU seconds since boot, over all its cores."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - idle) / hz, sum(ticks) / hz
 
 
 def _redis_figures(url: str) -> tuple[float, int]:
@@ -166,6 +184,9 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
             time.sleep(1.0)  # every replica registered before the spec exists
             _initialize(children[0].address, spec, settings.fragments)
             addresses = ",".join(c.address for c in children)
+            began = time.monotonic()
+            machine0 = _machine_cpu()
+            replicas0 = sum(_cpu_seconds(c.pid) for c in children)
             for i in range(settings.learners):
                 result = run_dir / f"learner-{i}.json"
                 learners.append(
@@ -200,6 +221,9 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
             deadline = time.monotonic() + settings.seconds + 120
             while any(c.alive() for c in learners) and time.monotonic() < deadline:
                 time.sleep(0.5)
+            wall = time.monotonic() - began
+            machine1 = _machine_cpu()
+            replica_cpu = sum(_cpu_seconds(c.pid) for c in children) - replicas0
             results = []
             for i, learner in enumerate(learners):
                 path = run_dir / f"learner-{i}.json"
@@ -247,6 +271,14 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
         "redis_used_memory_peak_mb": round(peak, 2),
         "max_redis_value_bytes": largest,
         "merge_latency_s": _p50_p99(latencies),
+        # Cores busy while the learners ran: the whole machine's (of `cores`), the replicas'
+        # and the synthetic learners' (each process's CPU seconds over that time).
+        "cpu_cores_busy": {
+            "machine": round((machine1[0] - machine0[0]) / wall, 2),
+            "replicas": round(replica_cpu / wall, 2),
+            "learners": round(sum(float(r.get("cpu_s", 0.0)) for r in results) / wall, 2),
+            "cores": os.cpu_count() or 0,
+        },
         # Where the tail is: [fragment, version, seconds, {phase: seconds}] of the slowest
         # merges (the time from ready to the merge's start is the rest).
         "slowest_merges": [
@@ -515,6 +547,7 @@ def run_learner(settings: ScaleLearner) -> None:
                 "seconds": elapsed,
                 "bytes_down": session.bytes_down,
                 "calls_s": calls,
+                "cpu_s": time.process_time(),  # every thread of this process, gRPC's too
             }
         )
     )

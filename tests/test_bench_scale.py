@@ -60,8 +60,13 @@ def test_the_scale_bench_merges_over_one_and_two_replicas_and_says_where_time_we
         assert run["updates_received"] > 0
         assert sum(run["fragments_owned"]) == 2
         # The replicas' own metrics say what each call waited for and where merges went.
-        assert {"read", "sum", "record"} <= set(run["ingest_wait_mean_s"])
+        assert {"read", "sum", "record", "downlink"} <= set(run["ingest_wait_mean_s"])
         assert {"step", "delta_write", "checksum", "commit"} <= set(run["merge_phase_mean_s"])
         slowest = run["slowest_merges"][0]
         assert slowest[2] >= run["merge_latency_s"]["p99"] - 1e-3  # the slowest is first
         assert "step" in slowest[3]
+        # Where the machine's cores went: the replicas and the learners did work, within it.
+        cpu = run["cpu_cores_busy"]
+        assert cpu["replicas"] > 0
+        assert cpu["learners"] > 0
+        assert cpu["machine"] <= cpu["cores"] + 0.5
