@@ -12,8 +12,9 @@ payload MB/s received, updates sent and received, MB/s pushed to the learners, o
 time and what the replicas say it waited for, merges (the slowest four, with their phases,
 and the mean of each phase), each replica's peak RSS (the kernel's high-water mark) against
 the bound 6 x the fp32 bytes of the fragments it owns + 500 MB, Redis's peak memory and
-largest value, and merge latency (a round ready, by its last update or its grace window's
-end, to its version committed).
+largest value, merge latency (a round ready, by its last update or its grace window's
+end, to its version committed), and the cores busy meanwhile (the machine's, the replicas',
+the synthetic learners').
 """
 
 from __future__ import annotations

@@ -40,13 +40,13 @@ class ScaleBench(_Output):
     seconds: float = Field(20.0, gt=0.0, description="seconds each replica count streams")
     codec: str = Field("int4", description="codec of the pre-encoded updates")
     calls: int = Field(
-        1,
+        4,
         ge=1,
         le=16,
         description="Ingest calls each synthetic learner keeps in flight, each to a fragment "
         "none of its others is sending, and each fragment sent again once its last update "
-        "merged (a learner's client keeps up to 4; more in flight than rounds merge means "
-        "updates moved between rounds, and payload bytes held while they arrive)",
+        "merged (4: as a learner's client does; a replica holds each arriving update's "
+        "payload bytes until it is received)",
     )
 
     def cli_cmd(self) -> None:
