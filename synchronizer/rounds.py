@@ -77,6 +77,12 @@ def required_quorum(policy: RoundPolicy, live_learners: int) -> int:
     return max(1, min(policy.quorum, live_learners)) if live_learners else policy.quorum
 
 
+# The merge time `coalescing` assumes before a fragment's owner has merged once (its first
+# round, or its first since it took the fragment over): a first round's updates are all
+# provisional, and sealing it under updates still arriving moves each of them.
+FIRST_MERGE_S = 1.0
+
+
 def coalescing(state: RoundState, policy: RoundPolicy, t_sync_s: float) -> bool:
     """Whether a round that could merge now waits for an update already streaming into it.
 
@@ -86,12 +92,14 @@ def coalescing(state: RoundState, policy: RoundPolicy, t_sync_s: float) -> bool:
     its own, which starts only once this one has ended: waiting commits it sooner, and this
     round's members by at most t_sync later, for one merge instead of two. Decoupled rounds
     under the adaptive window only (a fixed window is what its user asked for; a sync round
-    waits for everyone anyway); never past --max-grace-seconds.
+    waits for everyone anyway); never past --max-grace-seconds. Before any merge,
+    FIRST_MERGE_S stands for t_sync.
     """
-    if policy.mode != "decoupled" or policy.fixed_grace_s is not None or t_sync_s <= 0.0:
+    if policy.mode != "decoupled" or policy.fixed_grace_s is not None:
         return False
     since = state.now - state.quorum_at if state.quorum_at is not None else 0.0
-    left = min(t_sync_s, policy.max_grace_s) - since
+    window = t_sync_s if t_sync_s > 0.0 else FIRST_MERGE_S
+    left = min(window, policy.max_grace_s) - since
     return any(eta <= left for eta in state.streaming_eta_s)
 
 

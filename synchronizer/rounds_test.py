@@ -142,8 +142,11 @@ def test_a_round_waits_for_an_update_streaming_in_for_at_most_a_merges_time() ->
     assert not later.merge_now
     assert decide(at(10.7, 10.0, 0.2), policy, slowest_step_s=0.01, t_sync_s=0.8).merge_now
     assert decide(at(10.5, 10.0), policy, slowest_step_s=0.01, t_sync_s=0.8).merge_now
-    # No merge measured yet, a fixed window, or a sync round: nothing is held.
-    assert decide(at(10.0, None, 0.1), policy, slowest_step_s=0.01, t_sync_s=0.0).merge_now
+    # No merge measured yet: a first merge is assumed to take FIRST_MERGE_S.
+    first = decide(at(10.0, None, 0.9), policy, slowest_step_s=0.01, t_sync_s=0.0)
+    assert first.held
+    assert decide(at(10.0, None, 1.1), policy, slowest_step_s=0.01, t_sync_s=0.0).merge_now
+    # A fixed window: nothing is held.
     fixed = RoundPolicy("decoupled", 1, 5, 0.8, 0.0)
     assert decide(at(10.0, None, 0.1), fixed, slowest_step_s=0.01, t_sync_s=0.8).merge_now
     # Never past the cap on grace windows.

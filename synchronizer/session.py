@@ -52,7 +52,10 @@ OUTBOX_LIMIT = 4096  # messages queued for one learner before it counts as too s
 # replica reads uploads and leaves the downlink to pile up, until learners train on stale
 # values or their sessions overflow (OUTBOX_LIMIT).
 DOWNLINK_BACKLOG_BYTES = 256 << 20
-DOWNLINK_WAIT_MAX_S = 5.0  # an upload's chunk waits no longer than this (a learner stuck)
+DOWNLINK_WAIT_MAX_S = 5.0  # an upload's chunk waits no longer than this
+# A learner whose queue has not moved for this long is not reading (paused, stuck): it holds
+# no upload back (its queue grows until OUTBOX_LIMIT closes its session).
+DOWNLINK_STALLED_S = 2.0
 MAX_DELTA_CHAIN = 8  # deltas sent to catch a learner up before a whole value is cheaper
 WATCH_S = 0.05  # how often the fragments' versions and owners are read
 
@@ -128,6 +131,7 @@ class Connection:
     counted_at: float = field(default_factory=time.monotonic)
     rate_bound_told: bool = False  # the log said once that this session's claims ran ahead
     queued_bytes: int = 0  # serialized fragment chunks in the outbox, not yet sent
+    drained_at: float = field(default_factory=time.monotonic)  # when they last moved
 
     @property
     def prefix(self) -> str:
@@ -143,13 +147,22 @@ class Connection:
             )
             return
         if isinstance(message, bytes):
+            if not self.queued_bytes:
+                self.drained_at = time.monotonic()  # the queue starts moving from now
             self.queued_bytes += len(message)
         self.outbox.put_nowait(message)
 
 
-def most_behind(queued: list[int], mark: int = DOWNLINK_BACKLOG_BYTES) -> bool:
-    """Whether most learners (the lower median of the bytes queued to each) are over `mark`."""
-    ordered = sorted(queued)
+def most_behind(
+    queues: list[tuple[int, float]],
+    now: float,
+    mark: int = DOWNLINK_BACKLOG_BYTES,
+    stalled_s: float = DOWNLINK_STALLED_S,
+) -> bool:
+    """Whether most learners are over `mark` bytes behind: the lower median of the bytes
+    queued to each, given as (bytes, when its queue last moved), of those reading (a queue
+    that has not moved for `stalled_s` is a learner not reading: it does not count)."""
+    ordered = sorted(b for b, moved in queues if not b or now - moved < stalled_s)
     return bool(ordered) and ordered[(len(ordered) - 1) // 2] > mark
 
 
@@ -241,9 +254,11 @@ class Sessions:
 
     # --- the control stream ---------------------------------------------------------------
     def downlink_behind(self) -> bool:
-        """Whether most of this replica's learners (the lower median: one slow learner alone
-        holds no upload back) have over DOWNLINK_BACKLOG_BYTES of fragments queued to them."""
-        return most_behind([c.queued_bytes for c in self.connections.values()])
+        """Whether most of this replica's reading learners (the lower median: one slow
+        learner alone holds no upload back; one not reading at all does not count) have
+        over DOWNLINK_BACKLOG_BYTES of fragments queued to them."""
+        queues = [(c.queued_bytes, c.drained_at) for c in self.connections.values()]
+        return most_behind(queues, time.monotonic())
 
     async def downlink_caught_up(self) -> float:
         """Wait, at most DOWNLINK_WAIT_MAX_S, until the downlink is not behind; the seconds
@@ -300,6 +315,7 @@ class Sessions:
                     break
                 if isinstance(item, bytes):
                     conn.queued_bytes -= len(item)
+                    conn.drained_at = time.monotonic()
                     self._downlink_sent.set()
                 if isinstance(item, SessionClosed):
                     await context.abort(item.code, item.details)
