@@ -197,8 +197,8 @@ class Ingest:
             yield chunk, data
             expected_offset += chunk.value_count
             index += 1
-            if self.downlink_caught_up is not None:
-                waits.downlink += await self.downlink_caught_up()
+            if self.downlink_caught_up is not None and index < first.header.chunk_count:
+                waits.downlink += await self.downlink_caught_up()  # not once all is sent
             chunk = await anext(rest, None)
         if (
             expected_offset != n

@@ -117,8 +117,10 @@ class Update:
     # No other learner's update to cap the weight against when it began: it is summed only
     # once its round is sealed, capped against the round's other members then.
     provisional: bool = False
-    began: float = field(default_factory=time.monotonic)
     arrived: int = 0  # values whose chunks have come (queued to be summed, or summed)
+    # When its first chunk came, and that chunk's values: its pace is from the chunks after.
+    first_at: float = 0.0
+    first_values: int = 0
 
     @property
     def norm(self) -> float:
@@ -401,6 +403,8 @@ class FragmentOwner:
     def add(self, update: Update, offset: int, count: int, data: bytes) -> asyncio.Future[None]:
         """Queue one chunk to be hashed, decoded and summed into the update's round on the
         fragment's worker, in arrival order; the future raises CodecError or NormTooLarge."""
+        if not update.arrived:
+            update.first_at, update.first_values = time.monotonic(), count
         update.arrived += count
         return asyncio.get_running_loop().run_in_executor(
             self.worker, self._add, update, offset, count, data
@@ -638,11 +642,12 @@ class FragmentOwner:
         )
         waiting += len(in_flight - {lv.learner for lv in live.learners})
         # When each update streaming into this round is expected in, at the pace its chunks
-        # have come so far (an update covers the whole fragment). None before its first chunk.
+        # have come since its first (an update covers the whole fragment); none before its
+        # second chunk.
         etas = tuple(
-            (self.size - u.arrived) * (now - u.began) / u.arrived
+            (self.size - u.arrived) * (now - u.first_at) / (u.arrived - u.first_values)
             for u in self.in_flight
-            if u.accumulator is self.current and u.arrived
+            if u.accumulator is self.current and u.arrived > u.first_values
         )
         state = RoundState(
             contributors=len(contributors),

@@ -100,7 +100,7 @@ def coalescing(state: RoundState, policy: RoundPolicy, t_sync_s: float) -> bool:
     since = state.now - state.quorum_at if state.quorum_at is not None else 0.0
     window = t_sync_s if t_sync_s > 0.0 else FIRST_MERGE_S
     left = min(window, policy.max_grace_s) - since
-    return any(eta <= left for eta in state.streaming_eta_s)
+    return left > 0.0 and any(eta <= left for eta in state.streaming_eta_s)
 
 
 def decide(
@@ -142,7 +142,7 @@ def decide(
                     gamma=policy.gamma,
                 ),
             )
-        held = grace <= 0.0 and coalescing(state, policy, t_sync_s)
+        held = grace <= 0.0 and not everyone_in and coalescing(state, policy, t_sync_s)
         return Decision(
             merge_now=grace <= 0.0 and not held,
             new_deadline=state.now + grace,

@@ -149,6 +149,20 @@ def test_a_round_waits_for_an_update_streaming_in_for_at_most_a_merges_time() ->
     # A fixed window: nothing is held.
     fixed = RoundPolicy("decoupled", 1, 5, 0.8, 0.0)
     assert decide(at(10.0, None, 0.1), fixed, slowest_step_s=0.01, t_sync_s=0.8).merge_now
-    # Never past the cap on grace windows.
+    # Never past the cap on grace windows, and not at all under a cap of zero.
     capped = RoundPolicy("decoupled", 1, 5, 0.8, None, max_grace_s=0.2)
     assert decide(at(10.0, None, 0.3), capped, slowest_step_s=0.01, t_sync_s=0.8).merge_now
+    none = RoundPolicy("decoupled", 1, 5, 0.8, None, max_grace_s=0.0)
+    assert decide(at(10.0, None, 0.0), none, slowest_step_s=0.01, t_sync_s=0.8).merge_now
+    # Every live learner in (one counted whose update is also still streaming): merge now.
+    everyone = RoundState(
+        contributors=3,
+        live_learners=3,
+        opened_at=0.0,
+        quorum_at=None,
+        deadline=None,
+        now=10.0,
+        waiting=1,
+        streaming_eta_s=(0.1,),
+    )
+    assert decide(everyone, policy, slowest_step_s=0.01, t_sync_s=0.8).merge_now

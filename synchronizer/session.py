@@ -271,9 +271,16 @@ class Sessions:
             left = DOWNLINK_WAIT_MAX_S - (time.monotonic() - began)
             if left <= 0:
                 break
+            # Woken as queues move, or when the next one would count as stalled.
+            now = time.monotonic()
+            stalls = [
+                c.drained_at + DOWNLINK_STALLED_S - now
+                for c in self.connections.values()
+                if c.queued_bytes and c.drained_at + DOWNLINK_STALLED_S > now
+            ]
             self._downlink_sent.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._downlink_sent.wait(), left)
+                await asyncio.wait_for(self._downlink_sent.wait(), min([left, *stalls]))
         return time.monotonic() - began
 
     async def Session(
