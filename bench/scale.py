@@ -85,12 +85,11 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _machine_cpu() -> tuple[float, float]:
-    """The machine's busy and total CPU seconds since boot, over all its cores."""
+def _machine_busy_seconds() -> float:
+    """The machine's busy CPU seconds since boot, over all its cores."""
     ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     idle = ticks[3] + ticks[4]  # idle, iowait
-    hz = os.sysconf("SC_CLK_TCK")
-    return (sum(ticks) - idle) / hz, sum(ticks) / hz
+    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _redis_figures(url: str) -> tuple[float, int]:
@@ -186,7 +185,7 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
             _initialize(children[0].address, spec, settings.fragments)
             addresses = ",".join(c.address for c in children)
             began = time.monotonic()
-            machine0 = _machine_cpu()
+            machine0 = _machine_busy_seconds()
             replicas0 = sum(_cpu_seconds(c.pid) for c in children)
             for i in range(settings.learners):
                 result = run_dir / f"learner-{i}.json"
@@ -223,7 +222,7 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
             while any(c.alive() for c in learners) and time.monotonic() < deadline:
                 time.sleep(0.5)
             wall = time.monotonic() - began
-            machine1 = _machine_cpu()
+            machine1 = _machine_busy_seconds()
             replica_cpu = sum(_cpu_seconds(c.pid) for c in children) - replicas0
             results = []
             for i, learner in enumerate(learners):
@@ -275,7 +274,7 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
         # Cores busy while the learners ran: the whole machine's (of `cores`), the replicas'
         # and the synthetic learners' (each process's CPU seconds over that time).
         "cpu_cores_busy": {
-            "machine": round((machine1[0] - machine0[0]) / wall, 2),
+            "machine": round((machine1 - machine0) / wall, 2),
             "replicas": round(replica_cpu / wall, 2),
             "learners": round(sum(float(r.get("cpu_s", 0.0)) for r in results) / wall, 2),
             "cores": os.cpu_count() or 0,

@@ -19,7 +19,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -884,7 +884,7 @@ class FragmentOwner:
         self.worker.shutdown(wait=False, cancel_futures=True)
 
 
-def _each_chunk(fn: Any, chunks: list[Chunk]) -> None:
+def _each_chunk(fn: Callable[[Chunk], None], chunks: list[Chunk]) -> None:
     """`fn` on each of one update's chunks, side by side on the step pool: they are
     disjoint ranges of values, so no two touch the same part of a sum (the worker waits
     for them: still one of the fragment's jobs at a time). A move at sealing re-decodes

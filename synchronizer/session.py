@@ -253,35 +253,29 @@ class Sessions:
         self._spec_welcome: tuple[str, session_pb2.Welcome] | None = None  # its params only
 
     # --- the control stream ---------------------------------------------------------------
-    def downlink_behind(self) -> bool:
-        """Whether most of this replica's reading learners (the lower median: one slow
-        learner alone holds no upload back; one not reading at all does not count) have
-        over DOWNLINK_BACKLOG_BYTES of fragments queued to them."""
-        queues = [(c.queued_bytes, c.drained_at) for c in self.connections.values()]
-        return most_behind(queues, time.monotonic())
-
     async def downlink_caught_up(self) -> float:
-        """Wait, at most DOWNLINK_WAIT_MAX_S, until the downlink is not behind; the seconds
-        waited. An upload's next chunk is read only then (`Ingest`), so HTTP/2 flow control
-        slows the learners' uploads while the replica sends the values their merges made."""
-        if not self.downlink_behind():
-            return 0.0
-        began = time.monotonic()
-        while self.downlink_behind():
-            left = DOWNLINK_WAIT_MAX_S - (time.monotonic() - began)
-            if left <= 0:
-                break
+        """Wait, at most DOWNLINK_WAIT_MAX_S, until most of this replica's reading learners
+        (`most_behind`: one slow learner alone holds no upload back, one not reading at all
+        does not count) have at most DOWNLINK_BACKLOG_BYTES of fragments queued to them; the
+        seconds waited. An upload's next chunk is read only then (`Ingest`), so HTTP/2 flow
+        control slows the learners' uploads while the replica sends the values their merges
+        made."""
+        began = now = time.monotonic()
+        while True:
+            queues = [(c.queued_bytes, c.drained_at) for c in self.connections.values()]
+            left = DOWNLINK_WAIT_MAX_S - (now - began)
+            if left <= 0 or not most_behind(queues, now):
+                return now - began
             # Woken as queues move, or when the next one would count as stalled.
-            now = time.monotonic()
             stalls = [
-                c.drained_at + DOWNLINK_STALLED_S - now
-                for c in self.connections.values()
-                if c.queued_bytes and c.drained_at + DOWNLINK_STALLED_S > now
+                moved + DOWNLINK_STALLED_S - now
+                for queued, moved in queues
+                if queued and moved + DOWNLINK_STALLED_S > now
             ]
             self._downlink_sent.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._downlink_sent.wait(), min([left, *stalls]))
-        return time.monotonic() - began
+            now = time.monotonic()
 
     async def Session(
         self,
