@@ -780,6 +780,10 @@ class FragmentOwner:
         delta_name = object_name(job, p, version, e, "delta")
         # The pointer names the newest keyframe written; this version is it plus the deltas.
         frame = self.written or self.keyframes[-1]
+        # The new values' checksum is taken beside the delta's write, off the worker (chunks
+        # of the next round keep summing there): only a step changes theta, and the next
+        # one waits for this commit (a merge that fails here loses the fragment).
+        checksum = asyncio.ensure_future(asyncio.to_thread(_checksum, self.theta))
         await self.tensors.put(delta_name, await asyncio.to_thread(codecs.pack_segments, delta))
         phases.done("delta_write")
         useful = sum(u.compute_seconds for u in updates) / max(1, self.fragments)
@@ -798,9 +802,9 @@ class FragmentOwner:
             "useful_seconds": useful,
             "delta": delta_name,
             "value": frame.value,  # the keyframe this version is rebuilt from
-            "checksum": await self._merge_on_worker(_checksum, self.theta),
+            "checksum": await checksum,
         }
-        phases.done("checksum")
+        phases.done("checksum")  # what of the hash was left once the delta was written
         entry["latency_s"] = round(time.monotonic() - ready, 6)  # round ready to committing
         entry["phases_s"] = dict(phases.seconds)  # where its time went (so far)
         status, now_version = await self.store.commit(

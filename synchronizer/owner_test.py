@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import math
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from services import codec as codecs
 from services.config import JobConfig
 from services.tape import Tape
 from synchronizer.owner import MAX_STEP_SPAN, Chunk, FragmentOwner, Update, step_scale
+from synchronizer.store import Live, LiveLearner
 from synchronizer.tensors import TensorStore
 
 
@@ -171,4 +173,47 @@ def test_a_provisional_sum_something_was_taken_out_of_is_summed_again_from_the_c
     decoded = codec.decode(codec.encode(x, 64), size, 64)
     np.testing.assert_allclose(sealed.total, decoded, rtol=1e-6, atol=1e-6)
     assert sealed.weight == 1.0
+    owner.close()
+
+
+def test_the_round_expects_an_update_streaming_in_at_the_pace_of_its_chunks_after_the_first(
+    tmp_path: Path,
+) -> None:
+    """What the round rule is told of updates still arriving: one ETA each from the chunks
+    that came after its first (the first's arrival says nothing of the pace), none before
+    a second chunk, none for one moved to another round; their learners count as waiting."""
+    size = 1024
+    owner = _owner(tmp_path, size)
+    codec = codecs.by_name("int8")
+    x = np.random.default_rng(3).normal(size=size).astype(np.float32)
+    segments = codecs.encode_segments(codec, x, 64, 4 * (64 + 4))[0]  # 4 blocks a chunk
+    assert [s.count for s in segments] == [256] * 4
+
+    def arriving(name: str, chunks: int) -> Update:
+        update = Update(name, "i", 1, 0, 10, 100, 1.0, 1.0, (1.0,), codec, 64, owner.current)
+        owner.in_flight.add(update)
+
+        async def send() -> None:
+            for s in segments[:chunks]:
+                await owner.add(update, s.offset, s.count, s.data)
+
+        asyncio.run(send())
+        return update
+
+    paced = arriving("a", 3)  # 768 of 1024 values in: 512 after the first chunk's 256
+    assert (paced.arrived, paced.first_values) == (768, 256)
+    started = arriving("b", 1)  # one chunk: no pace yet
+    moved = arriving("c", 3)
+    moved.accumulator = owner.rule.new(size, owner.segments)  # its round was sealed
+
+    live = Live(now_s=0.0, learners=(LiveLearner("a", 0.5, False, None),))
+    state, slowest = owner.round_state(live, now=paced.first_at + 2.0)
+    # 512 values in 2 s after the first chunk: the 256 still to come in 1 s more.
+    assert state.streaming_eta_s == pytest.approx((1.0,), rel=1e-6)
+    assert started.first_at > 0
+    assert started.arrived == started.first_values
+    # "b" and "c" are not live learners but have updates arriving: they count as waiting;
+    # "a", live and not yet in, too.
+    assert state.waiting == 3
+    assert slowest == 0.5
     owner.close()
