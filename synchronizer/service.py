@@ -66,7 +66,7 @@ class SynchronizerService:
             lambda: self.layout,
             settings.max_ingest_per_slot,
             settings.parts_timeout_s,
-            self.sessions.downlink_caught_up,
+            self.sessions.downlink.caught_up,
         )
         self._bytes = {"up": 0, "down": 0}
 

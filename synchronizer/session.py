@@ -228,32 +228,25 @@ def delta_chunks(
     ]
 
 
-class Sessions:
-    def __init__(
-        self,
-        settings: SynchronizerSettings,
-        store: ControlStore,
-        tensors: TensorStore,
-        ownership: Ownership,
-        tape: Tape,
-        layout: Callable[[], FragmentLayout | None],
-        adopt_spec: Callable[[str], None],
-    ) -> None:
-        self.settings, self.store, self.tensors = settings, store, tensors
-        self.ownership, self.tape = ownership, tape
-        self._layout, self._adopt_spec = layout, adopt_spec
-        self.connections: dict[str, Connection] = {}
-        self._downlink_sent = asyncio.Event()  # set as fragment chunks leave an outbox
-        # Whole values served (joins, learners too far behind for deltas, shard fetches).
-        self.rebuilt = RebuiltValues(codecs.by_name(settings.downlink_codec), settings.block_size)
-        self.owner_map: list[session_pb2.FragmentOwner] = []
-        self._greeting: set[str] = set()  # slots whose hello this replica is answering
-        self._known_specs: dict[bytes, str] = {}  # spec digest -> the job's spec (JSON)
-        self._spec_reads = asyncio.Semaphore(1)  # specs read leaf by leaf: one at a time
-        self._spec_welcome: tuple[str, session_pb2.Welcome] | None = None  # its params only
+class Downlink:
+    """How far behind on global fragments a replica's learners are (bytes queued in their
+    sessions' outboxes), and the wait for them to catch up before an upload reads on."""
 
-    # --- the control stream ---------------------------------------------------------------
-    async def downlink_caught_up(self) -> float:
+    def __init__(self, connections: dict[str, Connection]) -> None:
+        self.connections = connections  # the replica's sessions, as they come and go
+        self._moved = asyncio.Event()  # set as fragment chunks leave an outbox
+
+    def sent(self, conn: Connection, nbytes: int) -> None:
+        """A serialized fragment chunk of `nbytes` left `conn`'s outbox for the wire."""
+        conn.queued_bytes -= nbytes
+        conn.drained_at = time.monotonic()
+        self._moved.set()
+
+    def moved(self) -> None:
+        """The queues changed otherwise (a session ended): waiting uploads look again."""
+        self._moved.set()
+
+    async def caught_up(self) -> float:
         """Wait, at most DOWNLINK_WAIT_MAX_S, until most of this replica's reading learners
         (`most_behind`: one slow learner alone holds no upload back, one not reading at all
         does not count) have at most DOWNLINK_BACKLOG_BYTES of fragments queued to them; the
@@ -272,11 +265,37 @@ class Sessions:
                 for queued, moved in queues
                 if queued and moved + DOWNLINK_STALLED_S > now
             ]
-            self._downlink_sent.clear()
+            self._moved.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._downlink_sent.wait(), min([left, *stalls]))
+                await asyncio.wait_for(self._moved.wait(), min([left, *stalls]))
             now = time.monotonic()
 
+
+class Sessions:
+    def __init__(
+        self,
+        settings: SynchronizerSettings,
+        store: ControlStore,
+        tensors: TensorStore,
+        ownership: Ownership,
+        tape: Tape,
+        layout: Callable[[], FragmentLayout | None],
+        adopt_spec: Callable[[str], None],
+    ) -> None:
+        self.settings, self.store, self.tensors = settings, store, tensors
+        self.ownership, self.tape = ownership, tape
+        self._layout, self._adopt_spec = layout, adopt_spec
+        self.connections: dict[str, Connection] = {}
+        self.downlink = Downlink(self.connections)
+        # Whole values served (joins, learners too far behind for deltas, shard fetches).
+        self.rebuilt = RebuiltValues(codecs.by_name(settings.downlink_codec), settings.block_size)
+        self.owner_map: list[session_pb2.FragmentOwner] = []
+        self._greeting: set[str] = set()  # slots whose hello this replica is answering
+        self._known_specs: dict[bytes, str] = {}  # spec digest -> the job's spec (JSON)
+        self._spec_reads = asyncio.Semaphore(1)  # specs read leaf by leaf: one at a time
+        self._spec_welcome: tuple[str, session_pb2.Welcome] | None = None  # its params only
+
+    # --- the control stream ---------------------------------------------------------------
     async def Session(
         self,
         request_iterator: AsyncIterator[session_pb2.LearnerMessage],
@@ -315,9 +334,7 @@ class Sessions:
                 if item is None:
                     break
                 if isinstance(item, bytes):
-                    conn.queued_bytes -= len(item)
-                    conn.drained_at = time.monotonic()
-                    self._downlink_sent.set()
+                    self.downlink.sent(conn, len(item))
                 if isinstance(item, SessionClosed):
                     await context.abort(item.code, item.details)
                     return
@@ -330,7 +347,7 @@ class Sessions:
                 with contextlib.suppress(Exception):
                     await self.store.leave(conn.learner, conn.incarnation)
             tm.LEARNERS_CONNECTED.set(len(self.connections))
-            self._downlink_sent.set()  # its outbox counts no more
+            self.downlink.moved()  # its outbox counts no more
             log.info("learner_left", learner=conn.learner, incarnation=conn.incarnation)
 
     async def _hello(

@@ -1,6 +1,18 @@
-"""Unit tests of the session's pure rules."""
+"""Unit tests of the session's rules: whom uploads wait for, and the wait itself."""
 
-from synchronizer.session import most_behind
+import asyncio
+import time
+
+import pytest
+
+from synchronizer import session
+from synchronizer.session import (
+    DOWNLINK_BACKLOG_BYTES,
+    DOWNLINK_STALLED_S,
+    Connection,
+    Downlink,
+    most_behind,
+)
 
 
 def test_uploads_wait_only_while_most_reading_learners_are_behind_on_the_downlink() -> None:
@@ -22,3 +34,67 @@ def test_uploads_wait_only_while_most_reading_learners_are_behind_on_the_downlin
     # ...though one with nothing queued, however long ago it last moved, is caught up.
     assert not behind(200, stalled=(0, 0))
     assert behind(200, 300, stalled=(0,))
+
+
+def _connection(name: str, queued: int, moved_ago: float = 0.0) -> Connection:
+    conn = Connection(name, "i")
+    conn.queued_bytes, conn.drained_at = queued, time.monotonic() - moved_ago
+    return conn
+
+
+BEHIND = DOWNLINK_BACKLOG_BYTES + 1
+
+
+def test_an_upload_waits_until_the_learners_queues_drain_and_is_woken_as_they_do() -> None:
+    async def run() -> tuple[float, float]:
+        a, b = _connection("a", BEHIND), _connection("b", BEHIND)
+        downlink = Downlink({"a": a, "b": b, "c": _connection("c", BEHIND)})
+
+        async def drain() -> None:  # the sessions send what is queued to their learners
+            await asyncio.sleep(0.3)
+            downlink.sent(a, BEHIND)
+            await asyncio.sleep(0.3)
+            downlink.sent(b, BEHIND)
+
+        task = asyncio.create_task(drain())
+        waited = await downlink.caught_up()
+        await task
+        return waited, await downlink.caught_up()
+
+    waited, again = asyncio.run(run())
+    assert 0.5 <= waited < 1.5  # until a second of the three queues drained: most are in
+    assert again == 0.0  # caught up: no wait
+
+
+def test_a_learner_that_stops_reading_holds_uploads_back_only_until_it_counts_as_stalled() -> None:
+    async def run() -> float:
+        # Its queue last moved 1.5 s ago: not reading, once DOWNLINK_STALLED_S have passed.
+        downlink = Downlink({"a": _connection("a", BEHIND, moved_ago=DOWNLINK_STALLED_S - 0.5)})
+        return await downlink.caught_up()
+
+    waited = asyncio.run(run())
+    assert 0.4 <= waited < 1.5  # woken by the stall's deadline, not by any send
+
+
+def test_an_upload_waits_at_most_the_cap_for_learners_that_read_but_stay_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(session, "DOWNLINK_WAIT_MAX_S", 0.5)
+
+    async def run() -> float:
+        a = _connection("a", 10 * BEHIND)
+        downlink = Downlink({"a": a})
+
+        async def trickle() -> None:  # reading, a little at a time: never caught up
+            while True:
+                await asyncio.sleep(0.05)
+                downlink.sent(a, 1)
+
+        task = asyncio.create_task(trickle())
+        try:
+            return await asyncio.wait_for(downlink.caught_up(), 5.0)
+        finally:
+            task.cancel()
+
+    waited = asyncio.run(run())
+    assert 0.5 <= waited < 1.0
