@@ -255,7 +255,11 @@ class Downlink:
         made."""
         began = now = time.monotonic()
         while True:
-            queues = [(c.queued_bytes, c.drained_at) for c in self.connections.values()]
+            # Sessions told only of new versions (learners of several processes fetch the
+            # values themselves) queue no fragments: they are not counted as caught up.
+            queues = [
+                (c.queued_bytes, c.drained_at) for c in self.connections.values() if not c.notices
+            ]
             left = DOWNLINK_WAIT_MAX_S - (now - began)
             if left <= 0 or not most_behind(queues, now):
                 return now - began

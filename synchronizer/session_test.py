@@ -66,6 +66,26 @@ def test_an_upload_waits_until_the_learners_queues_drain_and_is_woken_as_they_do
     assert again == 0.0  # caught up: no wait
 
 
+def test_sessions_told_only_of_versions_do_not_count_as_caught_up() -> None:
+    async def run() -> float:
+        notices = [_connection(f"n{i}", 0) for i in range(3)]
+        for conn in notices:
+            conn.notices = True  # learners of several processes: they fetch the values
+        a = _connection("a", BEHIND)
+        downlink = Downlink({c.learner: c for c in [*notices, a]})
+
+        async def drain() -> None:
+            await asyncio.sleep(0.3)
+            downlink.sent(a, BEHIND)
+
+        task = asyncio.create_task(drain())
+        waited = await downlink.caught_up()
+        await task
+        return waited
+
+    assert 0.3 <= asyncio.run(run()) < 1.5
+
+
 def test_a_learner_that_stops_reading_holds_uploads_back_only_until_it_counts_as_stalled() -> None:
     async def run() -> float:
         # Its queue last moved 1.5 s ago: not reading, once DOWNLINK_STALLED_S have passed.
