@@ -125,6 +125,12 @@ class Accumulator:
         could pass `limit`."""
         return codec.decode_into(self.total, weight, segment, block_size, limit)
 
+    def release(self) -> None:
+        """Free the sum once its round's step has read it: a merge's tail (the delta's
+        write, the commit) holds no fragment-sized array beside the next round's."""
+        self.total = np.zeros(0, np.float32)
+        self.provisional = None
+
     def counted(self, weight: float, norms: Sequence[float], sign: int) -> None:
         """A whole update joins (sign 1) or leaves (-1) the round's totals."""
         self.weight += sign * weight

@@ -774,6 +774,7 @@ class FragmentOwner:
         await self._keyframe_written()
         phases.done("keyframe_wait")
         delta = await self._merge_on_worker(self._step, sealed, scale)
+        sealed.release()
         phases.done("step")
         version = self.version + 1
         job, p, e = self.store.job, self.fragment, self.epoch
