@@ -354,7 +354,7 @@ def static_chunks(
             header=header,
             kind=session_pb2.UPDATE_KIND_OUTER_GRADIENT,
             chunk_index=i,
-            data=s.data,
+            data=bytes(s.data),  # encoded here: bytes already, not copied
             value_offset=s.offset,
             value_count=s.count,
             c_steps=10,

@@ -359,7 +359,7 @@ class SynchronizerClient:
                 c_tokens=c_tokens,
                 compute_seconds=compute_seconds,
                 chunk_index=i,
-                data=s.data,
+                data=bytes(s.data),  # encoded here: bytes already, not copied
                 value_offset=s.offset,
                 value_count=s.count,
                 learner_id=self.learner_id,

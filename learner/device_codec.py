@@ -208,7 +208,7 @@ def encode(codec: Codec, x: Any, block_size: int) -> bytes:
     """One payload encoded on the device: codec.encode(x, block_size), bit for bit."""
     feedback = DeviceFeedback(codec, block_size, chunk_bytes=1 << 62)
     (segment,) = feedback.encode(x)
-    return segment.data
+    return bytes(segment.data)  # bytes already: no copy
 
 
 @dataclass

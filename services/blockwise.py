@@ -28,6 +28,8 @@ MAX_BLOCK_SIZE = 1 << 20
 # and the Python loop over chunks costs nothing beside them.
 DECODE_CHUNK = 1 << 17
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# An encoded payload: Payload, or a view of the message it arrived in (never copied to read).
+Payload = bytes | memoryview
 
 
 class CodecError(ValueError):
@@ -46,7 +48,7 @@ def check_block_size(block_size: int) -> None:
         )
 
 
-def expect_len(payload: bytes, expected: int, what: str) -> None:
+def expect_len(payload: Payload, expected: int, what: str) -> None:
     if len(payload) != expected:
         raise CodecError(
             f"{what} payload is {len(payload)} bytes, expected {expected} for the values "
@@ -61,7 +63,7 @@ def finite(values: np.ndarray) -> np.ndarray:
 
 
 def scales_and_body(
-    payload: bytes, n: int, block_size: int, body_len: int, what: str
+    payload: Payload, n: int, block_size: int, body_len: int, what: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """A payload of per-block float32 scales then `body_len` bytes: the checked scales
     (finite, not negative), and the body as bytes."""
@@ -201,11 +203,11 @@ class Blockwise:
     def _fused(self, block_size: int) -> Fused | None:
         return self.fused if block_size % self.per_byte == 0 else None
 
-    def parts(self, payload: bytes, n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    def parts(self, payload: Payload, n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
         """The checked scales and the packed codes of a payload."""
         return scales_and_body(payload, n, block_size, -(-n // self.per_byte), self.what)
 
-    def check(self, payload: bytes, n: int, block_size: int) -> None:
+    def check(self, payload: Payload, n: int, block_size: int) -> None:
         self.parts(payload, n, block_size)
 
     def _levels(
@@ -224,7 +226,7 @@ class Blockwise:
         unit = block_size * self.per_byte
         return max(1, DECODE_CHUNK // unit) * unit
 
-    def decode(self, payload: bytes, n: int, block_size: int) -> np.ndarray:
+    def decode(self, payload: Payload, n: int, block_size: int) -> np.ndarray:
         scales, body = self.parts(payload, n, block_size)
         fused = self._fused(block_size)
         if fused is not None:
@@ -246,7 +248,7 @@ class Blockwise:
         weight: float,
         offset: int,
         count: int,
-        payload: bytes,
+        payload: Payload,
         block_size: int,
         limit: float = FLOAT32_MAX,
     ) -> float:

@@ -43,6 +43,7 @@ from services.blockwise import (
 )
 from services.blockwise import MAX_BLOCK_SIZE as MAX_BLOCK_SIZE
 from services.blockwise import CodecError as CodecError
+from services.blockwise import Payload as Payload
 from services.gen.atoll.v1 import fragment_pb2
 
 FLOAT32_TINY = np.float32(np.finfo(np.float32).tiny)  # the smallest normal float32
@@ -58,7 +59,7 @@ def _encode_fp32(x: np.ndarray, _: int) -> bytes:
     return np.ascontiguousarray(x, "<f4").tobytes()
 
 
-def _decode_fp32(payload: bytes, n: int, _: int) -> np.ndarray:
+def _decode_fp32(payload: Payload, n: int, _: int) -> np.ndarray:
     expect_len(payload, 4 * n, "fp32")
     return finite(np.frombuffer(payload, "<f4").astype(np.float32))
 
@@ -67,7 +68,7 @@ def _encode_bf16(x: np.ndarray, _: int) -> bytes:
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).tobytes()
 
 
-def _decode_bf16(payload: bytes, n: int, _: int) -> np.ndarray:
+def _decode_bf16(payload: Payload, n: int, _: int) -> np.ndarray:
     expect_len(payload, 2 * n, "bf16")
     return finite(np.frombuffer(payload, ml_dtypes.bfloat16).astype(np.float32))
 
@@ -273,7 +274,7 @@ def _encode_topk(x: np.ndarray, block_size: int) -> bytes:
 
 
 def _topk_parts(
-    payload: bytes, n: int, block_size: int
+    payload: Payload, n: int, block_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Checked scales, offsets (blocks x kept) and codes of a topk payload."""
     nb, kept, offset = _topk_layout(n, block_size)
@@ -289,11 +290,11 @@ def _topk_parts(
     return scales, where, _unpack_nibbles(body[offsets_len:], nb * kept)
 
 
-def _check_topk(payload: bytes, n: int, block_size: int) -> None:
+def _check_topk(payload: Payload, n: int, block_size: int) -> None:
     _topk_parts(payload, n, block_size)
 
 
-def _decode_topk(payload: bytes, n: int, block_size: int) -> np.ndarray:
+def _decode_topk(payload: Payload, n: int, block_size: int) -> np.ndarray:
     scales, where, codes = _topk_parts(payload, n, block_size)
     nb = scales.size
     out = np.zeros((nb, block_size), np.float32)
@@ -303,8 +304,8 @@ def _decode_topk(payload: bytes, n: int, block_size: int) -> np.ndarray:
     return decoded
 
 
-def _check_float(itemsize: int, dtype: object, what: str) -> Callable[[bytes, int, int], None]:
-    def check(payload: bytes, n: int, _: int) -> None:
+def _check_float(itemsize: int, dtype: object, what: str) -> Callable[[Payload, int, int], None]:
+    def check(payload: Payload, n: int, _: int) -> None:
         expect_len(payload, itemsize * n, what)
         finite(np.frombuffer(payload, dtype))  # type: ignore[call-overload]
 
@@ -321,10 +322,10 @@ class Codec:
     name: str
     wire: int  # fragment_pb2.Codec value
     encode: Callable[[np.ndarray, int], bytes]
-    decode: Callable[[bytes, int, int], np.ndarray]
+    decode: Callable[[Payload, int, int], np.ndarray]
     # Validates length, parameters and finiteness without building the decoded array: the
     # synchronizer runs it on every update it admits.
-    check: Callable[[bytes, int, int], None]
+    check: Callable[[Payload, int, int], None]
     blockwise: Blockwise | None = None  # per-block scales then packed codes
 
     @classmethod
@@ -458,7 +459,7 @@ class Segment:
 
     offset: int
     count: int
-    data: bytes
+    data: Payload
 
 
 def segment_values(codec: Codec, block_size: int, chunk_bytes: int) -> int:
@@ -496,7 +497,7 @@ def decode_segments(codec: Codec, segments: list[Segment], n: int, block_size: i
 def pack_segments(segments: list[Segment]) -> bytes:
     """Segments as one blob: per segment three little-endian uint64 (offset, count, byte
     length), then its bytes (a stored delta; a benchmark's pre-encoded update)."""
-    parts = []
+    parts: list[Payload] = []
     for s in segments:
         parts.append(np.array([s.offset, s.count, len(s.data)], "<u8").tobytes())
         parts.append(s.data)

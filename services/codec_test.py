@@ -362,3 +362,31 @@ def test_decode_into_refuses_without_touching_the_accumulator(name: str) -> None
     with pytest.raises(codecs.CodecError, match="could reach"):
         codec.decode_into(acc, 3.0, codecs.Segment(0, 300, data), 64, limit=2.0)
     assert np.all(acc == 1.0)
+
+
+@pytest.mark.parametrize("name", sorted(set(codecs.REGISTRY) - {"int4"}))
+def test_a_payload_decodes_the_same_from_a_view_of_the_message_it_arrived_in(
+    values: np.ndarray, name: str
+) -> None:
+    """The synchronizer reads a chunk's payload in place (a memoryview into the received
+    message): every codec checks, decodes and sums it as it does the same bytes."""
+    codec = codecs.by_name(name)
+    payload = codec.encode(values, 64)
+    message = b"\x4a" + payload + b"\x50\x01"  # other fields around it
+    view = memoryview(message)[1 : 1 + len(payload)]
+    codec.check(view, values.size, 64)
+    np.testing.assert_array_equal(
+        codec.decode(view, values.size, 64), codec.decode(payload, values.size, 64)
+    )
+    sums = [np.ones(values.size, np.float32) for _ in range(2)]
+    squares = [
+        codec.decode_into(acc, 0.5, codecs.Segment(0, values.size, data), 64)
+        for acc, data in zip(sums, (view, payload), strict=True)
+    ]
+    assert squares[0] == squares[1]
+    np.testing.assert_array_equal(sums[0], sums[1])
+    # A view's bytes that are corrupt are refused as the bytes are.
+    broken = bytearray(message)
+    broken[1:5] = np.float32(np.nan).tobytes()  # the first block's scale (or first value)
+    with pytest.raises(codecs.CodecError):
+        codec.decode(memoryview(bytes(broken))[1 : 1 + len(payload)], values.size, 64)

@@ -3,7 +3,8 @@ one wire chunk each, under a header every chunk repeats.
 
 Chunks stay well below the gRPC message limit. The header's checksum is XXH3-64 of all the
 segments' bytes in order, so a receiver checks a payload it never holds whole as its chunks
-go by.
+go by. A receiver reads a chunk's payload bytes where gRPC put them (`split_field`): parsing
+the message would copy them twice more.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import xxhash
+from google.protobuf.message import DecodeError
 
 from services.codec import Segment
 from services.gen.atoll.v1 import fragment_pb2
@@ -34,3 +36,56 @@ def segments_header(
         chunk_count=len(segments),
         total_bytes=sum(len(s.data) for s in segments),
     )
+
+
+MAX_VARINT_BYTES = 10
+
+
+def _varint(message: bytes, pos: int) -> tuple[int, int]:
+    """The base-128 varint at `pos` and the position after it."""
+    value, shift, end = 0, 0, min(len(message), pos + MAX_VARINT_BYTES)
+    while pos < end:
+        byte = message[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise DecodeError("a varint runs past the end of the message or past 10 bytes")
+
+
+def split_field(message: bytes, number: int) -> tuple[bytes, memoryview]:
+    """A serialized protobuf message without its top-level length-delimited field `number`,
+    and that field's bytes as a view into `message`, not a copy (the last occurrence, as
+    parsing takes it; empty if absent). Parsing a 1 MiB chunk copies its payload into the
+    message and again into a new bytes object when read: on the synchronizer, a fifth of
+    its event loop's time. Raises DecodeError for a message malformed at the top level
+    (what the rest's parse would raise for it too)."""
+    view = memoryview(message)
+    end, pos = len(message), 0
+    kept: list[memoryview] = []
+    field = view[0:0]
+    while pos < end:
+        start = pos
+        key, pos = _varint(message, pos)
+        kind = key & 7
+        if key >> 3 == 0:
+            raise DecodeError("field number 0 is not valid")
+        if kind == 0:
+            _, pos = _varint(message, pos)
+        elif kind == 1:
+            pos += 8
+        elif kind == 5:
+            pos += 4
+        elif kind == 2:
+            length, pos = _varint(message, pos)
+            pos += length
+        else:  # groups: none in this protocol
+            raise DecodeError(f"wire type {kind} is not used by this protocol")
+        if pos > end:
+            raise DecodeError("a field runs past the end of the message")
+        if kind == 2 and key >> 3 == number:
+            field = view[pos - length : pos]
+        else:
+            kept.append(view[start:pos])
+    return b"".join(kept), field

@@ -1,8 +1,14 @@
 import numpy as np
+import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services import codec as codecs
-from services.gen.atoll.v1 import fragment_pb2
-from services.wire import segments_header
+from services.gen.atoll.v1 import fragment_pb2, session_pb2
+from services.wire import segments_header, split_field
+
+DATA = session_pb2.UpdateChunk.DESCRIPTOR.fields_by_name["data"].number
 
 
 def test_the_header_checks_the_segments_as_one_payload() -> None:
@@ -13,3 +19,62 @@ def test_the_header_checks_the_segments_as_one_payload() -> None:
     assert h.checksum == codecs.checksum(joined)
     assert (h.chunk_count, h.total_bytes) == (len(segments), len(joined))
     assert (h.fragment, h.num_elements, h.block_size) == (3, x.size, 256)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fields=st.lists(
+        st.one_of(
+            st.builds(lambda v: session_pb2.UpdateChunk(seq=v), st.integers(0, 2**64 - 1)),
+            st.builds(lambda v: session_pb2.UpdateChunk(data=v), st.binary(max_size=300)),
+            st.builds(lambda v: session_pb2.UpdateChunk(learner_id=v), st.text(max_size=20)),
+            st.builds(lambda v: session_pb2.UpdateChunk(compute_seconds=v), st.floats()),
+            st.builds(
+                lambda v: session_pb2.UpdateChunk(tensor_norms=v),
+                st.lists(st.floats(width=32), max_size=4),
+            ),
+            st.builds(
+                lambda n: session_pb2.UpdateChunk(header=fragment_pb2.PayloadHeader(fragment=n)),
+                st.integers(0, 2**32 - 1),
+            ),
+        ),
+        max_size=8,
+    ),
+    unknown=st.binary(max_size=4),
+)
+def test_a_chunks_payload_is_read_in_place_and_the_rest_parses_as_the_whole_does(
+    fields: list[session_pb2.UpdateChunk], unknown: bytes
+) -> None:
+    # Concatenated messages merge as one (the later field winning): any field order, and
+    # the payload field several times or not at all. An unknown field (number 99) too.
+    message = b"".join(f.SerializeToString() for f in fields)
+    message += b"\x9a\x06" + bytes([len(unknown)]) + unknown
+    whole = session_pb2.UpdateChunk.FromString(message)
+    rest, data = split_field(message, DATA)
+    assert bytes(data) == whole.data
+    assert data.obj is message  # a view, not a copy
+    parsed = session_pb2.UpdateChunk.FromString(rest)
+    assert not parsed.data
+    parsed.data = whole.data
+    assert parsed == whole
+    assert parsed.SerializeToString() == whole.SerializeToString()  # unknown field kept
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        b"\x18",  # a varint field's value missing
+        b"\x18\xff\xff",  # a varint that never ends
+        b"\x18" + b"\xff" * 11 + b"\x01",  # a varint of 12 bytes
+        b"\x4a\x05abc",  # the payload shorter than its length says
+        b"\x4a\xff\xff\xff\xff\x0f",  # a length of 4 GiB
+        b"\x39\x00\x00",  # a fixed64 field cut short
+        b"\x0b",  # a group (field 1)
+        b"\x00\x01",  # field number 0
+    ],
+)
+def test_a_malformed_chunk_is_refused_as_the_parser_refuses_it(message: bytes) -> None:
+    with pytest.raises(DecodeError):
+        split_field(message, DATA)
+    with pytest.raises(DecodeError):
+        session_pb2.UpdateChunk.FromString(message)

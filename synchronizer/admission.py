@@ -9,12 +9,30 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 
 from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from services.layout import FragmentLayout
+from services.wire import split_field
+
+DATA_FIELD = session_pb2.UpdateChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+class Arrived(NamedTuple):
+    """One chunk of an Ingest call: every field but its payload (`chunk.data` is empty),
+    and the payload, read where gRPC put it."""
+
+    chunk: session_pb2.UpdateChunk
+    data: memoryview
+
+
+def parse_chunk(message: bytes) -> Arrived:
+    """An Ingest call's message as it arrives (the handler's parser)."""
+    rest, data = split_field(message, DATA_FIELD)
+    return Arrived(session_pb2.UpdateChunk.FromString(rest), data)
 
 
 @dataclass(frozen=True)

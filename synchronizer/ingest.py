@@ -25,7 +25,13 @@ from services.config import JobConfig
 from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout
 from synchronizer import auth
-from synchronizer.admission import Rejection, check_chunk, check_header, check_update_fields
+from synchronizer.admission import (
+    Arrived,
+    Rejection,
+    check_chunk,
+    check_header,
+    check_update_fields,
+)
 from synchronizer.owner import FragmentOwner, NormTooLarge
 from synchronizer.ownership import Ownership
 from synchronizer.parts import Gathering, Parts, Summing, begin_update, combined_checksum
@@ -101,14 +107,15 @@ class Ingest:
 
     async def Ingest(
         self,
-        request_iterator: AsyncIterator[session_pb2.UpdateChunk],
-        context: grpc.aio.ServicerContext[session_pb2.UpdateChunk, session_pb2.Ack],
+        request_iterator: AsyncIterator[Arrived],
+        context: grpc.aio.ServicerContext[Arrived, session_pb2.Ack],
     ) -> session_pb2.Ack:
         try:
-            first = await anext(request_iterator)
+            arrived = await anext(request_iterator)
         except StopAsyncIteration:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an Ingest call sent no chunk")
             raise
+        first = arrived.chunk
         try:
             auth.check_slot(first.learner_id)
         except auth.AuthError as err:
@@ -122,7 +129,7 @@ class Ingest:
             )
         self.in_flight[slot] += 1
         try:
-            return await self._admit(first, request_iterator, context)
+            return await self._admit(arrived, request_iterator, context)
         finally:
             self.in_flight[slot] -= 1
             if self.in_flight[slot] <= 0:
@@ -130,10 +137,11 @@ class Ingest:
 
     async def _admit(
         self,
-        first: session_pb2.UpdateChunk,
-        request_iterator: AsyncIterator[session_pb2.UpdateChunk],
-        context: grpc.aio.ServicerContext[session_pb2.UpdateChunk, session_pb2.Ack],
+        arrived: Arrived,
+        rest: AsyncIterator[Arrived],
+        context: grpc.aio.ServicerContext[Arrived, session_pb2.Ack],
     ) -> session_pb2.Ack:
+        first = arrived.chunk
         structlog.contextvars.bind_contextvars(
             learner=first.learner_id, fragment=first.header.fragment, seq=first.seq
         )
@@ -163,30 +171,27 @@ class Ingest:
                 status=session_pb2.ACK_STATUS_ALREADY_INITIALIZED,
             )
         if first.parts > 1:
-            return await self._in_parts(owner, codec, first, request_iterator)
+            return await self._in_parts(owner, codec, arrived, rest)
         if first.kind == session_pb2.UPDATE_KIND_INITIAL:
-            return await self._initial(owner, first, request_iterator)
-        return await self._update(owner, codec, first, request_iterator)
+            return await self._initial(owner, arrived, rest)
+        return await self._update(owner, codec, arrived, rest)
 
     async def _chunks(
-        self,
-        first: session_pb2.UpdateChunk,
-        rest: AsyncIterator[session_pb2.UpdateChunk],
-        waits: Waits,
-    ) -> AsyncIterator[tuple[session_pb2.UpdateChunk, bytes]]:
-        """The call's chunks in order, each checked against the first's header, with its
-        bytes (read once: each read of a message's bytes field is a copy); each next one
-        read once the downlink is not behind (`waits.downlink`: how long that took)."""
+        self, arrived: Arrived, rest: AsyncIterator[Arrived], waits: Waits
+    ) -> AsyncIterator[Arrived]:
+        """The call's chunks in order, each checked against the first's header; each next
+        one read once the downlink is not behind (`waits.downlink`: how long that took)."""
+        first = arrived.chunk
         expected_offset, n = 0, first.header.num_elements
-        chunk: session_pb2.UpdateChunk | None = first
+        current: Arrived | None = arrived
         index, received = 0, 0
-        while chunk is not None:
+        while current is not None:
+            chunk, data = current
             if index >= first.header.chunk_count:
                 raise Rejection(
                     "out_of_order", grpc.StatusCode.INVALID_ARGUMENT, "more chunks than announced"
                 )
             check_chunk(chunk, first, index, expected_offset, n)
-            data = chunk.data
             received += len(data)
             if received > first.header.total_bytes:
                 raise Rejection(
@@ -194,12 +199,12 @@ class Ingest:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"the chunks hold more than the {first.header.total_bytes} bytes announced",
                 )
-            yield chunk, data
+            yield current
             expected_offset += chunk.value_count
             index += 1
             if self.downlink_caught_up is not None and index < first.header.chunk_count:
                 waits.downlink += await self.downlink_caught_up()  # not once all is sent
-            chunk = await anext(rest, None)
+            current = await anext(rest, None)
         if (
             expected_offset != n
             or index != first.header.chunk_count
@@ -217,9 +222,10 @@ class Ingest:
         self,
         owner: FragmentOwner,
         codec: codecs.Codec,
-        first: session_pb2.UpdateChunk,
-        rest: AsyncIterator[session_pb2.UpdateChunk],
+        arrived: Arrived,
+        rest: AsyncIterator[Arrived],
     ) -> session_pb2.Ack:
+        first = arrived.chunk
         if owner.rule.needs_norms and len(first.tensor_norms) != len(owner.segments):
             return await self._refuse(
                 first,
@@ -239,7 +245,7 @@ class Ingest:
         waited, mark, waits = 0.0, clock(), Waits()
         try:
             # The next chunk is read while the last ones are summed on the fragment's worker.
-            async for chunk, data in self._chunks(first, rest, waits):
+            async for chunk, data in self._chunks(arrived, rest, waits):
                 began = clock()
                 await summing.add(owner.add(update, chunk.value_offset, chunk.value_count, data))
                 waited += clock() - began
@@ -305,15 +311,13 @@ class Ingest:
         return await self._refuse(first, Rejection(reason, code, message), version)
 
     async def _initial(
-        self,
-        owner: FragmentOwner,
-        first: session_pb2.UpdateChunk,
-        rest: AsyncIterator[session_pb2.UpdateChunk],
+        self, owner: FragmentOwner, arrived: Arrived, rest: AsyncIterator[Arrived]
     ) -> session_pb2.Ack:
+        first = arrived.chunk
         values = np.empty(owner.size, np.float32)
         hasher = xxhash.xxh3_64()
         try:
-            async for chunk, data in self._chunks(first, rest, Waits()):
+            async for chunk, data in self._chunks(arrived, rest, Waits()):
                 try:
                     part = codecs.by_name("fp32").decode(data, chunk.value_count, 0)
                 except codecs.CodecError as err:
@@ -365,8 +369,8 @@ class Ingest:
         self,
         owner: FragmentOwner,
         codec: codecs.Codec,
-        first: session_pb2.UpdateChunk,
-        rest: AsyncIterator[session_pb2.UpdateChunk],
+        arrived: Arrived,
+        rest: AsyncIterator[Arrived],
     ) -> session_pb2.Ack:
         """One part of an update from a learner of several processes (synchronizer/parts.py)."""
 
@@ -385,9 +389,9 @@ class Ingest:
                 ) from None
 
         try:
-            return await self.parts.admit(owner, codec, first, rest, finish)
+            return await self.parts.admit(owner, codec, arrived, rest, finish)
         except Rejection as rejection:
-            return await self._refuse(first, rejection)
+            return await self._refuse(arrived.chunk, rejection)
 
     async def _refuse(
         self, chunk: session_pb2.UpdateChunk, rejection: Rejection, version: int = 0

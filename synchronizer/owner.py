@@ -400,7 +400,9 @@ class FragmentOwner:
                 f"values ({update.norm:.6g}); send the norms of the decoded outer gradient"
             )
 
-    def add(self, update: Update, offset: int, count: int, data: bytes) -> asyncio.Future[None]:
+    def add(
+        self, update: Update, offset: int, count: int, data: codecs.Payload
+    ) -> asyncio.Future[None]:
         """Queue one chunk to be hashed, decoded and summed into the update's round on the
         fragment's worker, in arrival order; the future raises CodecError or NormTooLarge."""
         if not update.arrived:
@@ -414,7 +416,7 @@ class FragmentOwner:
     # time; which round an update belongs to (`update.accumulator`, the members) changes on
     # the event loop only. A chunk is summed into the round its update belongs to when the
     # job runs, and its record says which that was.
-    def _add(self, update: Update, offset: int, count: int, data: bytes) -> None:
+    def _add(self, update: Update, offset: int, count: int, data: codecs.Payload) -> None:
         update.hasher.update(data)
         segment = codecs.Segment(offset, count, data)
         # A provisional update is summed apart, at the weight it claims, until its weight is

@@ -33,6 +33,7 @@ import xxhash
 from services import codec as codecs
 from services.gen.atoll.v1 import session_pb2
 from synchronizer.admission import (
+    Arrived,
     Rejection,
     check_part_chunk,
     check_parts,
@@ -133,13 +134,14 @@ class Parts:
         self,
         owner: FragmentOwner,
         codec: codecs.Codec,
-        first: session_pb2.UpdateChunk,
-        rest: AsyncIterator[session_pb2.UpdateChunk],
+        arrived: Arrived,
+        rest: AsyncIterator[Arrived],
         finish: Finish,
     ) -> session_pb2.Ack:
         """Take one part (its first chunk and the rest of its call); return the update's
         ack once every part is in. `finish` records the whole update (called once). Raises
         the Rejection that refuses this part (and, but for a duplicate, the update)."""
+        first = arrived.chunk
         outer = first.kind == session_pb2.UPDATE_KIND_OUTER_GRADIENT
         check_parts(first, owner.size, outer and owner.rule.needs_norms)
         key = (owner.fragment, owner.epoch, first.learner_id, first.incarnation, first.seq)
@@ -168,7 +170,7 @@ class Parts:
                 )
         gathering.sending.add(first.part)
         try:
-            checksum = await self._receive(gathering, codec, first, rest)
+            checksum = await self._receive(gathering, codec, arrived, rest)
         except Rejection as rejection:
             await self._fail(key, gathering, rejection)
             raise
@@ -212,24 +214,25 @@ class Parts:
         self,
         gathering: Gathering,
         codec: codecs.Codec,
-        first: session_pb2.UpdateChunk,
-        rest: AsyncIterator[session_pb2.UpdateChunk],
+        arrived: Arrived,
+        rest: AsyncIterator[Arrived],
     ) -> int:
         """Sum (or place) one part's chunks; return its checksum, checked."""
+        first = arrived.chunk
         header, size, update = first.header, gathering.owner.size, gathering.update
         hasher = xxhash.xxh3_64()
         summing = Summing()
-        chunk: session_pb2.UpdateChunk | None = first
+        current: Arrived | None = arrived
         index, after, received = 0, 0, 0
         try:
-            while chunk is not None:
+            while current is not None:
+                chunk, data = current
                 refusal = gathering.refusal
                 if refusal is not None:
                     raise refusal
                 if index >= header.chunk_count:
                     raise _invalid("out_of_order", "more chunks than announced")
                 check_part_chunk(chunk, first, index, after, size)
-                data = chunk.data
                 received += len(data)
                 if received > header.total_bytes:
                     raise _invalid(
@@ -252,7 +255,7 @@ class Parts:
                     assert gathering.values is not None
                     gathering.values[offset : offset + count] = _fp32(data, count)
                 after, index = offset + count, index + 1
-                chunk = await anext(rest, None)
+                current = await anext(rest, None)
             await summing.done()
         finally:
             await summing.drain()
@@ -356,7 +359,7 @@ def _retry(what: str) -> Rejection:
     )
 
 
-def _fp32(data: bytes, count: int) -> np.ndarray:
+def _fp32(data: codecs.Payload, count: int) -> np.ndarray:
     try:
         return codecs.by_name("fp32").decode(data, count, 0)
     except codecs.CodecError as err:

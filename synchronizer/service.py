@@ -20,6 +20,7 @@ from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
 from services.tape import Tape
 from services.wirecount import counting_parser, counting_serializer, passing_bytes
+from synchronizer.admission import parse_chunk
 from synchronizer.ingest import Ingest
 from synchronizer.owner import FragmentOwner
 from synchronizer.ownership import Ownership
@@ -133,7 +134,7 @@ class SynchronizerService:
             ),
             "Ingest": grpc.stream_unary_rpc_method_handler(
                 self.ingest.Ingest,
-                request_deserializer=counting_parser(session_pb2.UpdateChunk.FromString, up),
+                request_deserializer=counting_parser(parse_chunk, up),
                 response_serializer=counting_serializer(session_pb2.Ack.SerializeToString, down),
             ),
             "FetchState": grpc.unary_stream_rpc_method_handler(

@@ -218,7 +218,7 @@ def delta_chunks(
             header=header,
             version=version,
             chunk_index=i,
-            data=s.data,
+            data=bytes(s.data),  # a stored delta's: bytes already, not copied
             delta=True,
             base_version=version - 1,
             value_offset=s.offset,
