@@ -121,6 +121,7 @@ class Update:
     # When its first chunk came, and that chunk's values: its pace is from the chunks after.
     first_at: float = 0.0
     first_values: int = 0
+    abandoned: bool = False  # will not be received: chunk sums still queued add nothing
 
     @property
     def norm(self) -> float:
@@ -203,11 +204,9 @@ class FragmentOwner:
         # One thread per fragment: chunk sums and the merge never race on its arrays.
         self.worker = FragmentWorker(f"atoll-frag{fragment}")
 
-    async def _on_worker(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
-
-    async def _merge_on_worker(self, fn: Any, *args: Any) -> Any:
-        """A merge's job: on the worker, ahead of the chunk sums queued there."""
+    async def _ahead_on_worker(self, fn: Any, *args: Any) -> Any:
+        """A job on the worker ahead of the chunk sums queued there (a merge's phases, a
+        take-out), behind those of its kind queued before it."""
         return await asyncio.wrap_future(self.worker.urgent(fn, *args))
 
     # --- loading ------------------------------------------------------------------------
@@ -417,6 +416,8 @@ class FragmentOwner:
     # the event loop only. A chunk is summed into the round its update belongs to when the
     # job runs, and its record says which that was.
     def _add(self, update: Update, offset: int, count: int, data: codecs.Payload) -> None:
+        if update.abandoned:  # taken out already, or about to be: nothing more of it
+            return
         update.hasher.update(data)
         segment = codecs.Segment(offset, count, data)
         # A provisional update is summed apart, at the weight it claims, until its weight is
@@ -548,10 +549,14 @@ class FragmentOwner:
         _each_chunk(move, moving)
 
     async def abandon(self, update: Update) -> None:
-        """An update that will not be received (its stream broke, or it was refused)."""
+        """An update that will not be received (its stream broke, or it was refused): its
+        chunk sums still queued add nothing, and what was summed is taken out ahead of
+        queued jobs, so before any round sealed from now on moves its chunks or steps.
+        Queued behind them, a merge could step a sum that still held its values."""
         if update in self.in_flight:
             self.in_flight.discard(update)
-            await self._on_worker(self._take_out, update)
+            update.abandoned = True
+            await self._ahead_on_worker(self._take_out, update)
 
     async def receive(self, update: Update, checksum: int) -> tuple[str, int]:
         """Record a whole, checked update in Redis; on any status but `received` it is taken
@@ -764,7 +769,7 @@ class FragmentOwner:
         claimed = {u: u.weight for u in updates if u.provisional}
         phases = _Phases()
         if claimed:
-            await self._merge_on_worker(self._sum_provisional, updates, sealed)
+            await self._ahead_on_worker(self._sum_provisional, updates, sealed)
             phases.done("provisional")
             for u, weight in claimed.items():
                 if u.weight < weight:
@@ -775,7 +780,7 @@ class FragmentOwner:
                     self.weights[u.learner] = u.weight
         await self._keyframe_written()
         phases.done("keyframe_wait")
-        delta = await self._merge_on_worker(self._step, sealed, scale)
+        delta = await self._ahead_on_worker(self._step, sealed, scale)
         sealed.release()
         phases.done("step")
         version = self.version + 1

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -216,4 +217,40 @@ def test_the_round_expects_an_update_streaming_in_at_the_pace_of_its_chunks_afte
     # "a", live and not yet in, too.
     assert state.waiting == 3
     assert slowest == 0.5
+    owner.close()
+
+
+def test_an_abandoned_update_is_out_of_the_sum_before_a_round_sealed_after_it_steps(
+    tmp_path: Path,
+) -> None:
+    """An update refused (or broken off) while the worker is busy: its chunk sums still
+    queued add nothing, and what it summed leaves before a round sealed meanwhile reads its
+    sum, even with the step queued ahead of the chunk sums."""
+    size = 1024
+    owner = _owner(tmp_path, size)
+    codec = codecs.by_name("int8")
+    segments = codecs.encode_segments(codec, np.ones(size, np.float32), 64, 4 * (64 + 4))[0]
+    update = Update("a", "i", 1, 0, 10, 100, 1.0, 1.0, (1.0,), codec, 64, owner.current)
+    owner.in_flight.add(update)
+
+    async def run() -> tuple[float, int]:
+        await owner.add(update, segments[0].offset, segments[0].count, segments[0].data)
+        gate = threading.Event()
+        owner.worker.submit(gate.wait)  # the worker busy with other updates' sums
+        queued = [owner.add(update, s.offset, s.count, s.data) for s in segments[1:]]
+        abandoning = asyncio.ensure_future(owner.abandon(update))
+        await asyncio.sleep(0)
+        _, sealed = owner._seal()  # a round sealed right after: its step jumps the queue
+        step_read = owner.worker.urgent(lambda: float(sealed.total.sum()))
+        gate.set()
+        seen = await asyncio.wrap_future(step_read)
+        sealed.release()  # as a merge does once its step has read the sum
+        await abandoning
+        await asyncio.gather(*queued)
+        return seen, len(update.chunks)
+
+    seen, chunks = asyncio.run(run())
+    assert seen == 0.0  # none of the abandoned update's values reached the step
+    assert chunks == 0  # its queued chunk sums added nothing after
+    np.testing.assert_array_equal(owner.current.total, np.zeros(size, np.float32))
     owner.close()
