@@ -379,9 +379,10 @@ def test_a_payload_decodes_the_same_from_a_view_of_the_message_it_arrived_in(
         codec.decode(view, values.size, 64), codec.decode(payload, values.size, 64)
     )
     sums = [np.ones(values.size, np.float32) for _ in range(2)]
+    data: tuple[codecs.Payload, ...] = (view, payload)
     squares = [
-        codec.decode_into(acc, 0.5, codecs.Segment(0, values.size, data), 64)
-        for acc, data in zip(sums, (view, payload), strict=True)
+        codec.decode_into(acc, 0.5, codecs.Segment(0, values.size, d), 64)
+        for acc, d in zip(sums, data, strict=True)
     ]
     assert squares[0] == squares[1]
     np.testing.assert_array_equal(sums[0], sums[1])

@@ -39,6 +39,9 @@ def segments_header(
 
 
 MAX_VARINT_BYTES = 10
+MAX_KEY_BYTES = 5  # a field number and wire type fit in 32 bits
+# A chunk has about 16 top-level fields; past this many, a message is parsed whole.
+MAX_SPLIT_FIELDS = 64
 
 
 def _varint(message: bytes, pos: int) -> tuple[int, int]:
@@ -54,22 +57,26 @@ def _varint(message: bytes, pos: int) -> tuple[int, int]:
     raise DecodeError("a varint runs past the end of the message or past 10 bytes")
 
 
-def split_field(message: bytes, number: int) -> tuple[bytes, memoryview]:
+def split_field(
+    message: bytes, number: int, max_fields: int = MAX_SPLIT_FIELDS
+) -> tuple[bytes, memoryview] | None:
     """A serialized protobuf message without its top-level length-delimited field `number`,
-    and that field's bytes as a view into `message`, not a copy (the last occurrence, as
-    parsing takes it; empty if absent). Parsing a 1 MiB chunk copies its payload into the
-    message and again into a new bytes object when read: on the synchronizer, a fifth of
-    its event loop's time. Raises DecodeError for a message malformed at the top level
-    (what the rest's parse would raise for it too)."""
-    view = memoryview(message)
-    end, pos = len(message), 0
-    kept: list[memoryview] = []
-    field = view[0:0]
-    while pos < end:
+    and that field's bytes as a view into `message`, not a copy (empty if absent). Parsing
+    a 1 MiB chunk copies its payload into the message and again into a new bytes object
+    when read: on the synchronizer, a fifth of its event loop's time. None for a message of
+    more than `max_fields` top-level fields or with the field more than once: the caller
+    parses it whole (in C, faster than this loop over many fields). Raises DecodeError for
+    a message malformed at the top level."""
+    end, pos, span = len(message), 0, None
+    for _ in range(max_fields):
+        if pos >= end:
+            break
         start = pos
         key, pos = _varint(message, pos)
-        kind = key & 7
-        if key >> 3 == 0:
+        if pos - start > MAX_KEY_BYTES:
+            raise DecodeError("a field's key is longer than 5 bytes")
+        kind, field = key & 7, key >> 3
+        if field == 0:
             raise DecodeError("field number 0 is not valid")
         if kind == 0:
             _, pos = _varint(message, pos)
@@ -84,8 +91,14 @@ def split_field(message: bytes, number: int) -> tuple[bytes, memoryview]:
             raise DecodeError(f"wire type {kind} is not used by this protocol")
         if pos > end:
             raise DecodeError("a field runs past the end of the message")
-        if kind == 2 and key >> 3 == number:
-            field = view[pos - length : pos]
-        else:
-            kept.append(view[start:pos])
-    return b"".join(kept), field
+        if kind == 2 and field == number:
+            if span is not None:
+                return None
+            span = (start, pos - length, pos)
+    else:
+        if pos < end:
+            return None
+    if span is None:
+        return message, memoryview(message)[0:0]
+    start, first, last = span
+    return message[:start] + message[last:], memoryview(message)[first:last]

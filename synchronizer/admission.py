@@ -31,7 +31,13 @@ class Arrived(NamedTuple):
 
 def parse_chunk(message: bytes) -> Arrived:
     """An Ingest call's message as it arrives (the handler's parser)."""
-    rest, data = split_field(message, DATA_FIELD)
+    split = split_field(message, DATA_FIELD)
+    if split is None:  # not a chunk as learners send them: parsed whole, as protobuf does
+        chunk = session_pb2.UpdateChunk.FromString(message)
+        data = memoryview(chunk.data)
+        chunk.ClearField("data")
+        return Arrived(chunk, data)
+    rest, data = split
     return Arrived(session_pb2.UpdateChunk.FromString(rest), data)
 
 

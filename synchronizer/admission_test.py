@@ -17,6 +17,7 @@ from synchronizer.admission import (
     check_update_fields,
     counted_steps,
     max_payload_bytes,
+    parse_chunk,
     spec_digest,
 )
 
@@ -151,3 +152,23 @@ def test_a_specs_digest_is_of_its_leaves_only() -> None:
     assert spec_digest(one) == spec_digest(other)
     other.params[0].shape[1] = 4
     assert spec_digest(one) != spec_digest(other)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        session_pb2.UpdateChunk(seq=3, data=b"payload", learner_id="a").SerializeToString(),
+        # The payload twice (the later wins), or among a million more fields: parsed whole.
+        session_pb2.UpdateChunk(data=b"first").SerializeToString()
+        + session_pb2.UpdateChunk(seq=3, data=b"payload", learner_id="a").SerializeToString(),
+        session_pb2.UpdateChunk(learner_id="a", data=b"payload").SerializeToString()
+        + b"\x18\x00" * (1 << 20)
+        + session_pb2.UpdateChunk(seq=3).SerializeToString(),
+    ],
+)
+def test_an_ingest_message_arrives_as_its_fields_and_its_payload(message: bytes) -> None:
+    whole = session_pb2.UpdateChunk.FromString(message)
+    arrived = parse_chunk(message)
+    assert bytes(arrived.data) == whole.data == b"payload"
+    assert not arrived.chunk.data
+    assert (arrived.chunk.seq, arrived.chunk.learner_id) == (3, "a")
