@@ -347,11 +347,11 @@ class Sessions:
             reader.cancel()
             if self.connections.get(key) is conn:
                 del self.connections[key]
+                self.downlink.moved()  # its outbox counts no more: waiting uploads look again
                 # The slot's session ended here: a new one may start at once.
                 with contextlib.suppress(Exception):
                     await self.store.leave(conn.learner, conn.incarnation)
             tm.LEARNERS_CONNECTED.set(len(self.connections))
-            self.downlink.moved()  # its outbox counts no more
             log.info("learner_left", learner=conn.learner, incarnation=conn.incarnation)
 
     async def _hello(
