@@ -28,7 +28,7 @@ MAX_BLOCK_SIZE = 1 << 20
 # and the Python loop over chunks costs nothing beside them.
 DECODE_CHUNK = 1 << 17
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-# An encoded payload: Payload, or a view of the message it arrived in (never copied to read).
+# An encoded payload: bytes, or a view of the message it arrived in (never copied to read).
 Payload = bytes | memoryview
 
 
