@@ -504,7 +504,8 @@ def pack_segments(segments: list[Segment]) -> bytes:
     return b"".join(parts)
 
 
-def unpack_segments(blob: bytes) -> list[Segment]:
+def unpack_segments(blob: Payload) -> list[Segment]:
+    """`pack_segments`' segments, their bytes slices of `blob` (views where it is a view)."""
     out, at = [], 0
     while at < len(blob):
         offset, count, length = (int(x) for x in np.frombuffer(blob, "<u8", 3, at))

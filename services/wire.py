@@ -102,3 +102,27 @@ def split_field(
         return message, memoryview(message)[0:0]
     start, first, last = span
     return message[:start] + message[last:], memoryview(message)[first:last]
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def bytes_field(number: int, parts: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """The length-delimited field `number` holding `parts` back to back (a nested message's
+    bytes, or a bytes field's), as parts: the key, the length, then `parts`, not copied."""
+    length = sum(len(p) for p in parts)
+    return [_encode_varint((number << 3) | 2), _encode_varint(length), *parts]
+
+
+def join_field(head: bytes, number: int, data: bytes | memoryview) -> list[bytes | memoryview]:
+    """A serialized message (`head`, without field `number`) with its bytes field `number`
+    holding `data`, as parts: joined, they parse as the message with the field set, and
+    `data` is copied once, where protobuf would copy it into the message and again into
+    its serialization. The inverse of `split_field`."""
+    return [head, *bytes_field(number, [data])]

@@ -28,7 +28,7 @@ from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
 from services.outage import OutageLog
 from services.tape import Tape
-from services.wire import segments_header
+from services.wire import bytes_field, join_field, segments_header
 from synchronizer import admission, auth, ranges
 from synchronizer.admission import (
     Rejection,
@@ -208,24 +208,39 @@ def value_chunks(
     ]
 
 
-def delta_chunks(
-    fragment: int, version: int, blob: bytes, codec: codecs.Codec, block_size: int, n: int
-) -> list[fragment_pb2.GlobalFragmentChunk]:
+# Where a pushed delta's bytes go: SynchronizerMessage.fragment, GlobalFragmentChunk.data.
+FRAGMENT_FIELD = session_pb2.SynchronizerMessage.DESCRIPTOR.fields_by_name["fragment"].number
+CHUNK_DATA_FIELD = fragment_pb2.GlobalFragmentChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def delta_messages(
+    fragment: int,
+    version: int,
+    blob: codecs.Payload,
+    codec: codecs.Codec,
+    block_size: int,
+    n: int,
+) -> list[tuple[int, bytes]]:
+    """A stored delta as serialized SynchronizerMessages, one a segment (see `_serialize`),
+    each segment's bytes copied once: built as protobuf would, they were copied into the
+    chunk, into the message and into its serialization (a large model's delta is tens of
+    MB a fragment, and every merge's is pushed)."""
     segments = codecs.unpack_segments(blob)
     header = segments_header(fragment, codec.wire, block_size, n, segments)
-    return [
-        fragment_pb2.GlobalFragmentChunk(
+    out = []
+    for i, s in enumerate(segments):
+        head = fragment_pb2.GlobalFragmentChunk(
             header=header,
             version=version,
             chunk_index=i,
-            data=bytes(s.data),  # a stored delta's: bytes already, not copied
             delta=True,
             base_version=version - 1,
             value_offset=s.offset,
             value_count=s.count,
-        )
-        for i, s in enumerate(segments)
-    ]
+        ).SerializeToString()
+        chunk = join_field(head, CHUNK_DATA_FIELD, s.data)
+        out.append((version, b"".join(bytes_field(FRAGMENT_FIELD, chunk))))
+    return out
 
 
 class Downlink:
@@ -682,12 +697,9 @@ class Sessions:
         codec = codecs.by_name(self.settings.downlink_codec)
         n = layout.fragments[fragment].num_elements
 
-        def serialized() -> list[tuple[int, bytes]]:
-            return _serialize(
-                delta_chunks(fragment, version, blob, codec, self.settings.block_size, n)
-            )
-
-        return await asyncio.to_thread(serialized)
+        return await asyncio.to_thread(
+            delta_messages, fragment, version, blob, codec, self.settings.block_size, n
+        )
 
     async def fragment_chunks(
         self, fragment: int, held: int | None = None

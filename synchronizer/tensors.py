@@ -68,10 +68,12 @@ class TensorStore:
             data = np.ascontiguousarray(data, "<f4").view(np.uint8).data  # type: ignore[assignment]
         await obstore.put_async(self._store, name, data)
 
-    async def get(self, name: str) -> bytes:
+    async def get(self, name: str) -> memoryview:
+        """An object's bytes, read-only, where the store's library put them (no copy: a
+        delta or a value is tens of megabytes, read on the event loop)."""
         try:
             result = await obstore.get_async(self._store, name)
-            return bytes(await result.bytes_async())
+            return memoryview(await result.bytes_async())
         except FileNotFoundError:
             raise TensorStoreError(
                 f"object {name!r} is missing from the tensor store at {self.url}; it was "

@@ -48,7 +48,7 @@ def delta_names(entries: Sequence[Mapping[str, Any]], after: int, upto: int) -> 
 
 
 def rebuild(
-    base: np.ndarray, deltas: Sequence[bytes], codec: codecs.Codec, block_size: int
+    base: np.ndarray, deltas: Sequence[codecs.Payload], codec: codecs.Codec, block_size: int
 ) -> np.ndarray:
     """`base` plus each encoded delta in turn, as the commits added them (a new array)."""
     out = np.array(base, np.float32)
