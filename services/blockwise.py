@@ -183,11 +183,12 @@ class Fused:
 
     into: Callable[[np.ndarray, np.float32, np.ndarray, np.ndarray, int], float]
     decode: Callable[[np.ndarray, np.ndarray, np.ndarray, int], None]
+    move: Callable[[np.ndarray, np.ndarray, np.float32, np.ndarray, np.ndarray, int], None]
     codes: type[np.integer]  # what the packed body is read as
 
 
-INT8_FUSED = Fused(kernels.int8_into, kernels.int8_decode, np.int8)
-NIBBLE_FUSED = Fused(kernels.nibble_into, kernels.nibble_decode, np.uint8)
+INT8_FUSED = Fused(kernels.int8_into, kernels.int8_decode, kernels.int8_move, np.int8)
+NIBBLE_FUSED = Fused(kernels.nibble_into, kernels.nibble_decode, kernels.nibble_move, np.uint8)
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,27 @@ class Blockwise:
             values = self._levels(body, start, stop, scratch, out[start:])
             scale_blocks(values, scales[start // block_size :], block_size, values)
         return out[:n]
+
+    def move_into(
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        weight: float,
+        offset: int,
+        count: int,
+        payload: Payload,
+        block_size: int,
+    ) -> bool:
+        """A payload `decode_into` added into `src` at `weight` moves to `dst`, in one
+        compiled pass, bit for bit what adding it at -weight into src and at weight into dst
+        gives. False (nothing done) where the codec has no compiled path for `block_size`."""
+        fused = self._fused(block_size)
+        if fused is None:
+            return False
+        scales, body = self.parts(payload, count, block_size)
+        a, b = target(src, offset, count, self.what), target(dst, offset, count, self.what)
+        fused.move(a, b, np.float32(weight), body.view(fused.codes), scales, block_size)
+        return True
 
     def decode_into(
         self,

@@ -334,6 +334,18 @@ class Codec:
     ) -> Codec:
         return cls(name, wire, encode, blockwise.decode, blockwise.check, blockwise)
 
+    def move_into(
+        self, src: np.ndarray, dst: np.ndarray, weight: float, segment: Segment, block_size: int
+    ) -> bool:
+        """A segment `decode_into` added into `src` at `weight` moves to `dst` in one pass
+        (Blockwise.move_into); False, nothing done, where no compiled path exists: the
+        caller decodes it into each."""
+        if self.blockwise is None:
+            return False
+        return self.blockwise.move_into(
+            src, dst, weight, segment.offset, segment.count, segment.data, block_size
+        )
+
     def decode_into(
         self,
         acc: np.ndarray,

@@ -344,6 +344,37 @@ def test_decode_into_adds_what_decoding_then_weighing_adds_bit_for_bit(
 
 
 @pytest.mark.parametrize("name", sorted(codecs.REGISTRY))
+@pytest.mark.parametrize(("n", "block"), [(1, 64), (1001, 64), (70_001, 256), (4_096, 3)])
+def test_a_move_is_taking_out_then_adding_bit_for_bit(name: str, n: int, block: int) -> None:
+    """A chunk moved from a sealed round's sum to the next (move_into, decoding once) leaves
+    both sums as decode_into at -weight then at weight would; where there is no compiled
+    move, it does nothing and says so."""
+    codec = codecs.by_name(name)
+    if codec.name in ("int4", "int4-uniform") and block % 2:
+        block = 64  # 4-bit codes need blocks of whole bytes to encode at all
+    rng = np.random.default_rng(n)
+    x = rng.standard_t(3, size=n).astype(np.float32)
+    segments, _ = codecs.encode_segments(codec, x, block, 20_000)
+    moved = False
+    for weight in (1.0, 0.37, 3e-5):
+        src, dst = (rng.normal(size=n + 5).astype(np.float32) for _ in range(2))
+        want_src, want_dst = src.copy(), dst.copy()
+        for s in segments:
+            shifted = codecs.Segment(s.offset + 5, s.count, s.data)
+            codec.decode_into(want_src, -weight, shifted, block)
+            codec.decode_into(want_dst, weight, shifted, block)
+            if codec.move_into(src, dst, weight, shifted, block):
+                moved = True
+            else:
+                codec.decode_into(src, -weight, shifted, block)
+                codec.decode_into(dst, weight, shifted, block)
+        assert src.tobytes() == want_src.tobytes()
+        assert dst.tobytes() == want_dst.tobytes()
+    compiled = codec.blockwise is not None and codec.blockwise.fused is not None
+    assert moved == (compiled and block % codec.blockwise.per_byte == 0)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("name", sorted(codecs.REGISTRY))
 def test_decode_into_refuses_without_touching_the_accumulator(name: str) -> None:
     codec = codecs.by_name(name)
     x = np.linspace(-1, 1, 300, dtype=np.float32)

@@ -19,6 +19,7 @@ from services.codec import (
     SMALL_SCALE,
     UNIFORM_CODES,
     Codec,
+    Payload,
     Segment,
     segment_values,
 )
@@ -47,7 +48,7 @@ def fused_step(
     theta: np.ndarray,
     codec: Codec,
     block_size: int,
-) -> bytes | None:
+) -> Payload | None:
     """In place over one segment, in one compiled pass: the outer gradient `total * factor`,
     Nesterov SGD's move (its `trace` updated; None without momentum), then `step_segment`
     on that move plus `residual`. Bit for bit what computing them one after another in
@@ -58,7 +59,7 @@ def fused_step(
     if codec.name == "fp32":
         out = np.empty(total.size, "<f4")
         kernels.fp32_step(total, f, no_trace, mu, neg_lr, residual, theta, out)
-        return out.tobytes()
+        return out.view(np.uint8).data  # the encoded bytes in place: no copy
     if codec.name not in UNIFORM_CODES:
         return None
     largest, per_byte = UNIFORM_CODES[codec.name]
@@ -83,7 +84,7 @@ def fused_step(
         FLOAT32_TINY,
         SMALL_SCALE,
     )
-    return out.tobytes()
+    return out.data
 
 
 def apply_segment(

@@ -1,5 +1,6 @@
-"""Compiled loops for the synchronizer's hot path: decoding int8 and 4-bit blockwise codes,
-and adding them, weighed, into a float32 accumulator, in one pass per value.
+"""Compiled loops for the synchronizer's hot path: decoding int8 and 4-bit blockwise codes
+and adding them, weighed, into a float32 accumulator (or moving them from one to another),
+in one pass per value; and the outer step with its downlink delta.
 
 numpy needs a pass over a chunk per operation (widen, cast, scale, square, weigh, add), which
 caps decoding int4 at about 0.6 GB/s of payload a core; one compiled pass reaches the memory's
@@ -7,6 +8,10 @@ speed. Each value is computed exactly as numpy computes it (float32 level times 
 times float32 weight, added in float32: no fused multiply-add, no reordering), so the results
 are bit for bit the numpy path's. Sums of squares are exact per block (integer levels squared
 and summed as integers, times the block's scale squared in float64).
+
+A loop the compiler cannot vectorize (a branch, or a value carried from one iteration to
+the next) runs several times slower than memory: the outer step is written as one loop per
+job over each block.
 
 Every kernel releases the GIL, so the owner's worker threads run them on several cores.
 Compiled code is cached on disk (numba's cache), so only a machine's first process pays for
@@ -95,6 +100,58 @@ def nibble_into(
 
 
 @_kernel
+def int8_move(
+    src: np.ndarray, dst: np.ndarray, w: np.float32, codes: np.ndarray, scales: np.ndarray, bs: int
+) -> None:
+    """A chunk summed into `src` at weight w moves to `dst`: v = (float32(code) * scale) * w,
+    src -= v, dst += v per value. Bit for bit int8_into at -w into src, then at w into dst
+    (negating is exact), decoding once."""
+    n = src.size
+    for b in range(scales.size):
+        lo = b * bs
+        hi = min(lo + bs, n)
+        s = scales[b]
+        a = src[lo:hi]
+        d = dst[lo:hi]
+        c = codes[lo:hi]
+        for i in range(hi - lo):
+            v = (np.float32(c[i]) * s) * w
+            a[i] -= v
+            d[i] += v
+
+
+@_kernel
+def nibble_move(
+    src: np.ndarray, dst: np.ndarray, w: np.float32, body: np.ndarray, scales: np.ndarray, bs: int
+) -> None:
+    """int8_move for 4-bit codes two a byte (nibble_into's)."""
+    n = src.size
+    pairs = n // 2
+    half = bs // 2
+    for b in range(scales.size):
+        lo = b * half
+        hi = min(lo + half, pairs)
+        if hi <= lo:
+            break
+        s = scales[b]
+        a = src[2 * lo : 2 * hi]
+        d = dst[2 * lo : 2 * hi]
+        c = body[lo:hi]
+        for j in range(hi - lo):
+            byte = np.int32(c[j])
+            first = (np.float32((byte & 15) - 8) * s) * w
+            second = (np.float32((byte >> 4) - 8) * s) * w
+            a[2 * j] -= first
+            d[2 * j] += first
+            a[2 * j + 1] -= second
+            d[2 * j + 1] += second
+    if n % 2:
+        v = (np.float32((np.int32(body[pairs]) & 15) - 8) * scales[(n - 1) // bs]) * w
+        src[n - 1] -= v
+        dst[n - 1] += v
+
+
+@_kernel
 def nibble_decode(out: np.ndarray, body: np.ndarray, scales: np.ndarray, bs: int) -> None:
     n = out.size
     pairs = n // 2
@@ -135,6 +192,8 @@ def warm() -> None:
     int8_decode(acc, payload.view(np.int8), scales, 2)
     nibble_into(acc, np.float32(1), payload, scales, 2)
     nibble_decode(acc, payload, scales, 2)
+    int8_move(acc, acc.copy(), np.float32(1), payload.view(np.int8), scales, 2)
+    nibble_move(acc, acc.copy(), np.float32(1), payload, scales, 2)
     values = np.frombuffer(acc.tobytes(), np.float32)
     add_weighed(acc, values, np.float32(1))
     one, none = np.float32(1), np.zeros(0, np.float32)
@@ -194,41 +253,69 @@ def uniform_step(
     decoded. bs must be even where per_byte is 2."""
     n = total.size
     want = np.empty(bs, np.float32)
-    pending = np.uint8(0)
+    levels = np.empty(bs, np.int32)
+    # A block's largest |want| from the bits: the magnitudes of floats order as their bits
+    # do (a NaN's above every number, as numpy's max propagates it), and an integer max
+    # vectorizes where a float one does not.
+    bits = want.view(np.int32)
+    top_bits = np.zeros(1, np.int32)
+    top = top_bits.view(np.float32)
+    limit = np.float32(largest)
+    has_trace = trace.size > 0
+    # Each block in loops of one job each, without a branch or a value carried from one
+    # iteration to the next, so that each vectorizes: the moves, their largest magnitude,
+    # the codes (theta and the residual on the way), the codes packed.
     for b in range(scales.size):
         lo = b * bs
         hi = min(lo + bs, n)
+        m = hi - lo
         t = total[lo:hi]
         r = residual[lo:hi]
         th = theta[lo:hi]
-        top = np.float32(0.0)
-        for j in range(hi - lo):
-            w = _want(t[j], factor, trace, lo + j, momentum, neg_lr, r[j])
-            want[j] = w
-            top = max(top, abs(w))
-        scale = top * inverse
+        if has_trace:
+            tr = trace[lo:hi]
+            for j in range(m):
+                g = t[j] * factor
+                kept = tr[j] * momentum + g
+                tr[j] = kept
+                g = g + momentum * kept
+                want[j] = g * neg_lr + r[j]
+        else:
+            for j in range(m):
+                want[j] = t[j] * factor * neg_lr + r[j]
+        largest_bits = np.int32(0)
+        for j in range(m):
+            magnitude = bits[j] & np.int32(0x7FFFFFFF)
+            largest_bits = magnitude if magnitude > largest_bits else largest_bits
+        top_bits[0] = largest_bits
+        scale = top[0] * inverse
         if scale < tiny:
             scale = np.float32(0.0)
         recip = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
         flush = scale > 0 and scale < small
         scales[b] = scale
-        for j in range(hi - lo):
+        for j in range(m):
             w = want[j]
             v = np.float32(0.0) if flush and abs(w) < tiny else w
-            code = min(max(np.rint(v * recip), np.float32(-largest)), np.float32(largest))
+            code = np.rint(v * recip)
+            code = code if code < limit else limit
+            code = code if code > -limit else -limit
             level = np.int32(code)
             decoded = np.float32(level) * scale
             th[j] = th[j] + decoded
             r[j] = w - decoded
-            i = lo + j
-            if per_byte == 1:
-                body[i] = np.uint8(level & 0xFF)
-            elif i % 2 == 0:
-                pending = np.uint8(level + 8)
-            else:
-                body[i // 2] = pending | np.uint8((level + 8) << 4)
-    if per_byte == 2 and n % 2:
-        body[n // 2] = pending
+            levels[j] = level
+        if per_byte == 1:
+            out = body[lo:hi]
+            for j in range(m):
+                out[j] = np.uint8(levels[j] & 0xFF)
+        else:  # blocks are of whole bytes: only the last may end in half of one
+            half = m // 2
+            out = body[lo // 2 : lo // 2 + half]
+            for j in range(half):
+                out[j] = np.uint8(levels[2 * j] + 8) | np.uint8((levels[2 * j + 1] + 8) << 4)
+            if m % 2:
+                body[(hi - 1) // 2] = np.uint8(levels[m - 1] + 8)
 
 
 @_kernel

@@ -125,6 +125,24 @@ class Accumulator:
         could pass `limit`."""
         return codec.decode_into(self.total, weight, segment, block_size, limit)
 
+    def move_encoded(
+        self,
+        dst: Accumulator,
+        segment: Segment,
+        codec: Codec,
+        block_size: int,
+        weight: float,
+        norms: Sequence[float],
+        limit: float,
+    ) -> None:
+        """A chunk added into this sum at `weight` moves to `dst` (an update's round was
+        sealed while it streamed in): decoded once where the codec has a compiled path, bit
+        for bit taking it out here and adding it there."""
+        if codec.move_into(self.total, dst.total, weight, segment, block_size):
+            return
+        self.add_encoded(segment, codec, block_size, -weight, norms, limit)
+        dst.add_encoded(segment, codec, block_size, weight, norms, limit)
+
     def release(self) -> None:
         """Free the sum once its round's step has read it: a merge's tail (the delta's
         write, the commit) holds no fragment-sized array beside the next round's."""
@@ -198,6 +216,20 @@ class RadialAccumulator(Accumulator):
         else:
             self.subtract(segment.offset, values, -weight, norms)
         return squares
+
+    def move_encoded(
+        self,
+        dst: Accumulator,
+        segment: Segment,
+        codec: Codec,
+        block_size: int,
+        weight: float,
+        norms: Sequence[float],
+        limit: float,
+    ) -> None:
+        """Decoded into each in turn: each tensor's part is scaled by its own factor."""
+        self.add_encoded(segment, codec, block_size, -weight, norms, limit)
+        dst.add_encoded(segment, codec, block_size, weight, norms, limit)
 
     def add(self, offset: int, values: np.ndarray, weight: float, norms: Sequence[float]) -> None:
         self._scaled(offset, values, weight, norms)

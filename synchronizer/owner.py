@@ -541,9 +541,18 @@ class FragmentOwner:
         target = self._sum_for(update)
 
         def move(chunk: Chunk) -> None:
-            assert chunk.accumulator is not None  # `moving` holds summed chunks only
-            self._sum(update, chunk.accumulator, chunk.segment, -update.weight)
-            self._sum(update, target, chunk.segment, update.weight)
+            source = chunk.accumulator
+            assert source is not None  # `moving` holds summed chunks only
+            source.taken_out = max(source.taken_out, update.weight)  # as `_sum` at -weight
+            source.move_encoded(
+                target,
+                chunk.segment,
+                update.codec,
+                update.block_size,
+                update.weight,
+                update.norms,
+                MAX_WEIGHTED_VALUE,
+            )
             chunk.accumulator = target
 
         _each_chunk(move, moving)
@@ -899,8 +908,8 @@ class FragmentOwner:
 def _each_chunk(fn: Callable[[Chunk], None], chunks: list[Chunk]) -> None:
     """`fn` on each of one update's chunks, side by side on the step pool: they are
     disjoint ranges of values, so no two touch the same part of a sum (the worker waits
-    for them: still one of the fragment's jobs at a time). A move at sealing re-decodes
-    an update's chunks twice; one after another it was most of a merge's tail."""
+    for them: still one of the fragment's jobs at a time). A move at sealing decodes an
+    update's chunks again; one after another it was most of a merge's tail."""
     if len(chunks) < 2:
         for chunk in chunks:
             fn(chunk)
