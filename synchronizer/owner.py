@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +122,10 @@ class Update:
     first_at: float = 0.0
     first_values: int = 0
     abandoned: bool = False  # will not be received: chunk sums still queued add nothing
+    staleness: float = 1.0  # what its weight was multiplied by for being behind (`begin`)
+    # Its move to the next round when its round was sealed while it arrived: the move may
+    # settle a provisional weight, so whoever reads the weight on the event loop waits.
+    moved: Future[None] | None = None
 
     @property
     def norm(self) -> float:
@@ -323,21 +327,18 @@ class FragmentOwner:
                 "round; resend once it merges"
             )
         weight = token_weight(c_tokens, c_steps)
-        others = [w for who, w in self.weights.items() if who != learner]
-        if others:
-            # No update weighs more than --max-weight-share times the median weight of the
-            # other learners' last updates (its fair share): whatever tokens it claims, it
-            # cannot buy the merge, and its own claims never move the bar. Known before its
-            # first chunk is summed.
-            cap = self.config.max_weight_share * statistics.median(others)
-            if weight > cap:
-                log.info("weight_capped", fragment=self.fragment, learner=learner, weight=weight)
-                weight = cap
-        # Else (the fragment's first updates, or the first since this owner took it over)
-        # its weight is provisional: capped against the other members of its round once the
-        # round is sealed (`_sum_provisional`); summed apart until then.
+        cap = self.weight_cap(learner)
+        if cap is not None and weight > cap:
+            log.info("weight_capped", fragment=self.fragment, learner=learner, weight=weight)
+            weight = cap
+        # With no cap (the fragment's first updates, or the first since this owner took it
+        # over) its weight is provisional: capped against the other members of its round
+        # once the round is sealed (`_sum_provisional`), or against other learners' weights
+        # if it is still arriving then (`_move`); summed apart until then.
+        staleness = 1.0
         if self.version is not None and self.config.staleness_decay != 1.0:
-            weight *= staleness_weight(self.version - base_version, self.config.staleness_decay)
+            staleness = staleness_weight(self.version - base_version, self.config.staleness_decay)
+        weight *= staleness
         bound = self.norm_bound(learner, c_steps)
         claimed = math.sqrt(sum(float(n) ** 2 for n in norms))
         if claimed > bound:
@@ -359,10 +360,21 @@ class FragmentOwner:
             block_size,
             self.current,
             norm_bound=bound,
-            provisional=not others,
+            provisional=cap is None,
+            staleness=staleness,
         )
         self.in_flight.add(update)
         return update
+
+    def weight_cap(self, learner: str) -> float | None:
+        """The most an update of `learner` may weigh: --max-weight-share times the median
+        weight of the other learners' last updates (its fair share), so that whatever tokens
+        it claims it cannot buy the merge, and its own claims never move the bar. None while
+        no other learner's update is known."""
+        others = [w for who, w in self.weights.items() if who != learner]
+        if not others:
+            return None
+        return self.config.max_weight_share * statistics.median(others)
 
     def norm_bound(self, learner: str, steps: int) -> float:
         """The largest L2 norm an update of `steps` inner steps may have:
@@ -527,9 +539,16 @@ class FragmentOwner:
             sealed.counted(update.weight, update.norms, 1)
             update.chunks.clear()
 
-    def _move(self, update: Update, sealed: Accumulator) -> None:
+    def _move(self, update: Update, sealed: Accumulator, cap: float | None = None) -> None:
         """Chunks summed into a round being merged (or its provisional sum) go to the
-        update's round now."""
+        update's round now. A provisional update with a `cap` (other learners' weights are
+        known by now) is capped as `begin` caps an update and joins that round's own sum:
+        its round then needs no provisional sum of its own (a fragment-sized array)."""
+        old = update.weight
+        if update.provisional and cap is not None:
+            claimed = token_weight(update.c_tokens, update.c_steps)
+            update.weight = max(min(claimed, cap) * update.staleness, 1e-30)
+            update.provisional = False
         moving = [
             chunk
             for chunk in update.chunks
@@ -543,13 +562,18 @@ class FragmentOwner:
         def move(chunk: Chunk) -> None:
             source = chunk.accumulator
             assert source is not None  # `moving` holds summed chunks only
-            source.taken_out = max(source.taken_out, update.weight)  # as `_sum` at -weight
+            if update.weight != old:  # out at the weight it was summed at, in at its own
+                self._sum(update, source, chunk.segment, -old)
+                self._sum(update, target, chunk.segment, update.weight)
+                chunk.accumulator = target
+                return
+            source.taken_out = max(source.taken_out, old)  # as `_sum` at -weight
             source.move_encoded(
                 target,
                 chunk.segment,
                 update.codec,
                 update.block_size,
-                update.weight,
+                old,
                 update.norms,
                 MAX_WEIGHTED_VALUE,
             )
@@ -595,6 +619,8 @@ class FragmentOwner:
             if status == "not_owner":
                 self.lost = True
             return status, version
+        while update.moved is not None and not update.moved.done():
+            await asyncio.wrap_future(update.moved)  # its round was sealed meanwhile
         self.in_flight.discard(update)
         if not update.provisional:  # received: nothing of it moves again
             self.worker.submit(update.chunks.clear)
@@ -730,7 +756,9 @@ class FragmentOwner:
         for update in self.in_flight:
             if update.accumulator is sealed:
                 update.accumulator = self.current
-                self.worker.urgent(self._move, update, sealed)
+                # Weights are read here, on the event loop; the update changes on the worker.
+                cap = self.weight_cap(update.learner) if update.provisional else None
+                update.moved = self.worker.urgent(self._move, update, sealed, cap)
         return members, sealed
 
     def _step(self, sealed: Accumulator, scale: float) -> list[codecs.Segment]:

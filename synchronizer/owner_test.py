@@ -147,6 +147,40 @@ def test_provisional_updates_summed_as_they_arrive_join_the_round_whole_when_not
     owner.close()
 
 
+def test_a_provisional_update_still_arriving_at_sealing_is_capped_into_the_next_rounds_sum(
+    tmp_path: Path,
+) -> None:
+    """Other learners' weights are known once its round is sealed: an update that began
+    without them is capped as any update is and moves into the next round's own sum,
+    which then needs no provisional sum (a fragment-sized array) of its own."""
+    size = 1000
+    owner = _owner(tmp_path, size)  # --max-weight-share 2
+    codec = codecs.by_name("int8")
+    x = np.random.default_rng(4).normal(size=size).astype(np.float32)
+    sealed = owner.current
+    # claims c_tokens^2 / c_steps = 1000; began when no other weight was known
+    late = Update("late", "i", 1, 0, 10, 100, 1.0, 1000.0, (1.0,), codec, 64, sealed)
+    late.provisional = True
+    owner.in_flight.add(late)
+    for s in codecs.encode_segments(codec, x, 64, 400)[0]:
+        owner._add(late, s.offset, s.count, s.data)
+    assert sealed.provisional is not None
+    owner.weights = {"a": 1.0, "b": 3.0, "late": 1000.0}  # received meanwhile (its own: not)
+    _, got = owner._seal()
+    assert got is sealed
+    assert late.moved is not None
+    late.moved.result(timeout=30)
+    assert not late.provisional
+    assert late.weight == 4.0  # 2 x the median of 1 and 3
+    assert late.accumulator is owner.current
+    assert owner.current.provisional is None
+    decoded = codec.decode(codec.encode(x, 64), size, 64)
+    np.testing.assert_allclose(owner.current.total, 4.0 * decoded, rtol=1e-6, atol=1e-6)
+    assert sealed.provisional.taken_out == 1000.0  # the sum it left says what left it
+    np.testing.assert_allclose(sealed.provisional.total, 0.0, atol=1e-3)
+    owner.close()
+
+
 def test_a_provisional_sum_something_was_taken_out_of_is_summed_again_from_the_chunks(
     tmp_path: Path,
 ) -> None:
@@ -253,4 +287,50 @@ def test_an_abandoned_update_is_out_of_the_sum_before_a_round_sealed_after_it_st
     assert seen == 0.0  # none of the abandoned update's values reached the step
     assert chunks == 0  # its queued chunk sums added nothing after
     np.testing.assert_array_equal(owner.current.total, np.zeros(size, np.float32))
+    owner.close()
+
+
+def test_an_update_received_while_its_move_is_queued_joins_the_next_round_as_moved(
+    tmp_path: Path,
+) -> None:
+    """Its round sealed while Redis recorded it: the move that settles its provisional
+    weight is still queued behind other work on the worker. Receiving it waits for that
+    move, so it is counted in the next round at the weight its values were moved at."""
+    size = 1000
+    owner = _owner(tmp_path, size)
+    codec = codecs.by_name("int8")
+    x = np.random.default_rng(5).normal(size=size).astype(np.float32)
+    late = Update("late", "i", 1, 0, 10, 100, 1.0, 1000.0, (1.0,), codec, 64, owner.current)
+    late.provisional = True
+    owner.in_flight.add(late)
+    for s in codecs.encode_segments(codec, x, 64, 400)[0]:
+        owner._add(late, s.offset, s.count, s.data)
+    owner.weights = {"a": 1.0, "b": 3.0}
+
+    async def recorded(update: Update, checksum: int, record: object) -> tuple[str, int]:
+        return "received", 1  # what Redis answers (the store is not this test's)
+
+    owner._record = recorded  # type: ignore[method-assign]
+
+    async def run() -> tuple[str, int]:
+        started, gate = threading.Event(), threading.Event()
+
+        def busy() -> None:  # the worker busy: the move waits behind this job
+            started.set()
+            gate.wait()
+
+        owner.worker.submit(busy)
+        await asyncio.to_thread(started.wait, 30)
+        owner._seal()
+        receiving = asyncio.ensure_future(owner.receive(late, 0))
+        await asyncio.sleep(0.05)
+        assert not receiving.done()  # waiting for its move
+        gate.set()
+        return await receiving
+
+    assert asyncio.run(run()) == ("received", 1)
+    assert late in owner.members
+    assert not late.provisional
+    assert owner.current.weight == 4.0  # counted, at the weight it was moved at
+    assert owner.weights["late"] == 4.0
     owner.close()
