@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 
 import grpc
@@ -224,8 +225,17 @@ def _force_exit_after(seconds: float, loop: asyncio.AbstractEventLoop) -> None:
     timer.start()
 
 
+# How long a thread holds the GIL while another waits for it (Python's default: 5 ms). A
+# replica's fragment workers and step pool run compiled loops that release the GIL and need
+# it back between chunks; with the event loop busy receiving and pushing, each return waited
+# up to the whole interval. At 1e9 parameters over four replicas (the device's CPUs), 0.5 ms
+# halved the time uploads waited for their chunks' sums (docs/BENCHMARKS.md, session 9).
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def run(settings: SynchronizerSettings) -> None:
     tm.configure_logging(settings.log_level)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         asyncio.run(serve(settings))
     except (StoreError, TensorStoreError) as err:
