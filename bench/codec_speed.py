@@ -5,7 +5,12 @@ Host, one core (numpy's element-wise loops are single-threaded; run it with
 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 so that BLAS is too): each codec encodes a
 `--values` Gaussian vector segment by segment as a learner sends it (`--chunk-bytes` a
 segment), decodes every segment, and decodes every segment into an accumulator with a weight
-(`Codec.decode_into`, what the synchronizer's owner runs per arriving chunk). Best of
+(`Codec.decode_into`, what the synchronizer's owner runs per arriving chunk), moves every
+segment from one accumulator to another (`Codec.move_into`, a chunk of an update still
+arriving when its round is sealed; where a codec has no compiled move, the two decode_into
+calls the owner makes instead), and takes the outer step with the codec as the downlink
+(`services.downlink.fused_step`, segment by segment; none where the codec has no compiled
+step: the owner's numpy path). Best of
 `--repeats`, in GB/s of float32 values and of payload bytes, from wall time and from the
 thread's CPU time (on a shared machine the latter is what one core gives).
 
@@ -28,6 +33,7 @@ import numpy as np
 
 from bench.runs import write
 from services import codec as codecs
+from services.downlink import fused_step
 
 if TYPE_CHECKING:
     from bench.settings import CodecSpeedBench
@@ -81,13 +87,36 @@ def _host_row(name: str, x: np.ndarray, settings: CodecSpeedBench) -> dict[str, 
         for s in segments:
             codec.decode_into(acc, 0.37, s, block)
 
+    dst = np.zeros(n, np.float32)
+
+    def move_into() -> None:
+        for s in segments:
+            if not codec.move_into(acc, dst, 0.37, s, block):
+                codec.decode_into(acc, -0.37, s, block)
+                codec.decode_into(dst, 0.37, s, block)
+
+    # The outer step over a round's sum: momentum trace, residual and value updated in place.
+    trace, residual, theta = (np.zeros(n, np.float32) for _ in range(3))
+
+    def outer_step() -> bool:
+        for start, part in parts:
+            at = slice(start, start + part.size)
+            args = (x[at], 0.5, trace[at], 0.9, 0.7, residual[at], theta[at], codec, block)
+            if fused_step(*args) is None:
+                return False
+        return True
+
     decode_into()  # the first touch of the accumulator's pages is not decoding
+    move_into()
+    compiled_step = outer_step()
     return {
         "codec": _label(name, codec),
         "payload_bytes": payload,
         **_rates("encode", _best(encode, repeats), n, payload),
         **_rates("decode", _best(decode, repeats), n, payload),
         **_rates("decode_into", _best(decode_into, repeats), n, payload),
+        **_rates("move_into", _best(move_into, repeats), n, payload),
+        **(_rates("step", _best(outer_step, repeats), n, payload) if compiled_step else {}),
     }
 
 
