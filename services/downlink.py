@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from services import kernels
-from services.blockwise import blocks_of
+from services.blockwise import blocks_of, finite
 from services.codec import (
     FLOAT32_TINY,
     SMALL_SCALE,
@@ -53,12 +53,14 @@ def fused_step(
     Nesterov SGD's move (its `trace` updated; None without momentum), then `step_segment`
     on that move plus `residual`. Bit for bit what computing them one after another in
     numpy gives (OuterOptimizer.move, step_segment). None for a codec or block size it has
-    no compiled step for: the caller takes the numpy path."""
+    no compiled step for: the caller takes the numpy path. Raises CodecError, as the numpy
+    path does, where the step's values are not finite (the merge is then given up)."""
     f, mu, neg_lr = np.float32(factor), np.float32(momentum), np.float32(-lr)
     no_trace = np.zeros(0, np.float32) if trace is None else trace
     if codec.name == "fp32":
         out = np.empty(total.size, "<f4")
         kernels.fp32_step(total, f, no_trace, mu, neg_lr, residual, theta, out)
+        finite(out)
         return out.view(np.uint8).data  # the encoded bytes in place: no copy
     if codec.name not in UNIFORM_CODES:
         return None
@@ -84,6 +86,7 @@ def fused_step(
         FLOAT32_TINY,
         SMALL_SCALE,
     )
+    finite(out[: 4 * nb].view("<f4"))  # a NaN or Inf value makes its block's scale one
     return out.data
 
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from services.codec import by_name
+from services.codec import CodecError, by_name
 from services.downlink import fused_step, step_segment
 from synchronizer.merge import (
     MERGE_RULES,
@@ -182,3 +182,20 @@ def test_codecs_without_a_compiled_step_are_left_to_numpy() -> None:
     assert fused_step(x, 1.0, None, 0.0, 1.0, x.copy(), x.copy(), by_name("int2"), 4) is None
     # 4-bit codes with an odd block: a block is not whole bytes
     assert fused_step(x, 1.0, None, 0.0, 1.0, x.copy(), x.copy(), by_name("int4"), 3) is None
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8", "int4-uniform"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_step_to_values_that_are_not_finite_is_refused_as_numpy_refuses_it(
+    name: str, bad: float
+) -> None:
+    """A round's sum that overflowed: the compiled step refuses it (the merge is given up)
+    as encoding and decoding it on the numpy path does, never a delta no learner decodes."""
+    codec = by_name(name)
+    total = np.ones(1000, np.float32)
+    total[300] = bad
+    zeros = [np.zeros(1000, np.float32) for _ in range(4)]
+    with pytest.raises(CodecError), np.errstate(invalid="ignore"):
+        step_segment(zeros[0], total.copy(), zeros[1], codec, 64)
+    with pytest.raises(CodecError):
+        fused_step(total, 1.0, None, 0.0, 1.0, zeros[2], zeros[3], codec, 64)

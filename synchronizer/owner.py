@@ -549,11 +549,14 @@ class FragmentOwner:
             claimed = token_weight(update.c_tokens, update.c_steps)
             update.weight = max(min(claimed, cap) * update.staleness, 1e-30)
             update.provisional = False
+        # Every summed chunk not in the update's sum now: those of the sealed round, and
+        # one whose sum began as the round was sealed (it read the new round, and was summed
+        # into its provisional sum at the weight before this settled it).
+        where = update.accumulator.provisional if update.provisional else update.accumulator
         moving = [
             chunk
             for chunk in update.chunks
-            if chunk.accumulator is not None
-            and (chunk.accumulator is sealed or chunk.accumulator is sealed.provisional)
+            if chunk.accumulator is not None and chunk.accumulator is not where
         ]
         if not moving:
             return
@@ -599,6 +602,7 @@ class FragmentOwner:
         return await asyncio.shield(self._receive(update, checksum))
 
     async def _receive(self, update: Update, checksum: int) -> tuple[str, int]:
+        await self._moved(update)  # the weight recorded is the one it is summed at
         record = {
             "learner": update.learner,
             "incarnation": update.incarnation,
@@ -619,8 +623,7 @@ class FragmentOwner:
             if status == "not_owner":
                 self.lost = True
             return status, version
-        while update.moved is not None and not update.moved.done():
-            await asyncio.wrap_future(update.moved)  # its round was sealed meanwhile
+        await self._moved(update)  # its round was sealed meanwhile
         self.in_flight.discard(update)
         if not update.provisional:  # received: nothing of it moves again
             self.worker.submit(update.chunks.clear)
@@ -633,6 +636,13 @@ class FragmentOwner:
         self.tape.write("accepted", uid=update.uid, fragment=self.fragment, learner=update.learner)
         self.wake.set()
         return status, version
+
+    @staticmethod
+    async def _moved(update: Update) -> None:
+        """Once the update's last move to a newer round (which may settle its provisional
+        weight) has run on the worker."""
+        while update.moved is not None and not update.moved.done():
+            await asyncio.wrap_future(update.moved)
 
     async def _record(
         self, update: Update, checksum: int, record: dict[str, Any]

@@ -181,6 +181,37 @@ def test_a_provisional_update_still_arriving_at_sealing_is_capped_into_the_next_
     owner.close()
 
 
+def test_a_chunk_summed_as_its_round_was_sealed_moves_with_the_rest_at_the_settled_weight(
+    tmp_path: Path,
+) -> None:
+    """A chunk whose sum began just after its round was sealed read the new round, and was
+    summed into that round's provisional sum at the weight claimed; the move that settles
+    the weight brings it, too, into the round's own sum at the weight settled."""
+    size = 1000
+    owner = _owner(tmp_path, size)
+    codec = codecs.by_name("int8")
+    x = np.random.default_rng(6).normal(size=size).astype(np.float32)
+    segments = codecs.encode_segments(codec, x, 64, 400)[0]
+    sealed = owner.current
+    late = Update("late", "i", 1, 0, 10, 100, 1.0, 1000.0, (1.0,), codec, 64, sealed)
+    late.provisional = True
+    for s in segments[:-1]:
+        owner._add(late, s.offset, s.count, s.data)
+    owner.current = owner.rule.new(size, owner.segments)  # sealed: the update moves on
+    late.accumulator = owner.current
+    last = segments[-1]
+    owner._add(late, last.offset, last.count, last.data)  # began once the seal had run
+    assert late.chunks[-1].accumulator is owner.current.provisional
+    owner._move(late, sealed, cap=4.0)
+    assert late.weight == 4.0
+    assert all(chunk.accumulator is owner.current for chunk in late.chunks)
+    decoded = codec.decode(codec.encode(x, 64), size, 64)
+    np.testing.assert_allclose(owner.current.total, 4.0 * decoded, rtol=1e-6, atol=1e-6)
+    assert owner.current.provisional is not None
+    np.testing.assert_allclose(owner.current.provisional.total, 0.0, atol=1e-3)
+    owner.close()
+
+
 def test_a_provisional_sum_something_was_taken_out_of_is_summed_again_from_the_chunks(
     tmp_path: Path,
 ) -> None:
