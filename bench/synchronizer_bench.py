@@ -151,7 +151,7 @@ def measure_raw(workdir: Path, clients: int, seconds: float, payload_bytes: int)
     try:
         port = wait_for_file(port_file, sink)["grpc"]
         payload = np.random.default_rng(0).bytes(payload_bytes)
-        step = DEFAULT_MAX_CHUNK_BYTES  # the same 1 MiB chunks as the synchronizer's
+        step = DEFAULT_MAX_CHUNK_BYTES  # the same chunks as the synchronizer's
         chunks = [payload[i : i + step] for i in range(0, len(payload), step)]
 
         def stream(_: int, deadline: float) -> int:

@@ -130,7 +130,7 @@ def describe(err: BaseException) -> str:
 
 
 def segments_of(payload: bytes | Sequence[Segment], codec: int, n: int) -> list[Segment]:
-    """An update's segments; a whole float32 payload is cut into segments of 1 MiB."""
+    """An update's segments; a whole float32 payload is cut into segments of a chunk's size."""
     if not isinstance(payload, bytes | bytearray | memoryview):
         return list(payload)
     if codec not in (fragment_pb2.CODEC_FP32, fragment_pb2.CODEC_UNSPECIFIED):

@@ -30,7 +30,14 @@ import numpy as np
 from jax import lax
 
 from services.blockwise import blocks_of, finite
-from services.codec import FLOAT32_TINY, UNIFORM_CODES, Codec, Segment, segment_values
+from services.codec import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    FLOAT32_TINY,
+    UNIFORM_CODES,
+    Codec,
+    Segment,
+    segment_values,
+)
 
 # Codecs encoded on the device: the largest code of each uniform quantizer.
 LARGEST_CODE = {name: largest for name, (largest, _) in UNIFORM_CODES.items()}
@@ -219,7 +226,7 @@ class DeviceFeedback:
 
     codec: Codec
     block_size: int
-    chunk_bytes: int = 1 << 20  # encoded bytes per segment, at most (one wire chunk each)
+    chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # encoded bytes per segment, at most
     tensor_sizes: tuple[int, ...] = ()  # the fragment's tensors, for `norms`
     norms: tuple[float, ...] = ()  # each tensor's L2 norm of what the last encoding decodes to
     _residual: jax.Array | None = field(default=None, repr=False)  # blocked, zeros past _size

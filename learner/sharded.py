@@ -247,7 +247,7 @@ class ShardedSyncEngine(SyncEngine):
                 shard.sent_local,
                 tuple(o for o, _ in shard.sent),
                 0,
-                1 << 20,
+                codecs.DEFAULT_MAX_CHUNK_BYTES,
             )
             self.client.send_update(
                 fragment=p,

@@ -436,6 +436,13 @@ def by_wire(value: int) -> Codec:
         ) from None
 
 
+# Encoded bytes a segment (one wire chunk each), at most: 4 MiB, half the 8 MiB message
+# limit atoll's channels and servers set (services.grpcopts). Each chunk costs a replica's
+# event loop about the same Python work whatever its size: at 1 MiB a replica took in 0.72x
+# what it does at 4 MiB (`atoll bench synchronizer`, docs/BENCHMARKS.md, session 9).
+DEFAULT_MAX_CHUNK_BYTES = 4 << 20
+
+
 @dataclass
 class ErrorFeedback:
     """Per-fragment encoding residual: what the last encoding lost is added to the next.
@@ -446,7 +453,7 @@ class ErrorFeedback:
     codec: Codec
     block_size: int
     residual: np.ndarray | None = None
-    chunk_bytes: int = 1 << 20  # encoded bytes per segment, at most (one wire chunk each)
+    chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # encoded bytes per segment, at most
     tensor_sizes: tuple[int, ...] = ()  # the fragment's tensors, for `norms`
     norms: tuple[float, ...] = ()  # each tensor's L2 norm of what the last encoding decodes to
 

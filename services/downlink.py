@@ -15,6 +15,7 @@ import numpy as np
 from services import kernels
 from services.blockwise import blocks_of, finite
 from services.codec import (
+    DEFAULT_MAX_CHUNK_BYTES,
     FLOAT32_TINY,
     SMALL_SCALE,
     UNIFORM_CODES,
@@ -105,7 +106,7 @@ def encode_delta(
     residual: np.ndarray | None,
     codec: Codec,
     block_size: int,
-    chunk_bytes: int = 1 << 20,
+    chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
 ) -> tuple[list[Segment], np.ndarray, np.ndarray]:
     """The whole move from `base` toward `target` plus `residual`, as segments; the new
     version as learners rebuild it; the residual to keep."""

@@ -14,10 +14,9 @@ from collections.abc import Sequence
 import xxhash
 from google.protobuf.message import DecodeError
 
+from services.codec import DEFAULT_MAX_CHUNK_BYTES as DEFAULT_MAX_CHUNK_BYTES
 from services.codec import Segment
 from services.gen.atoll.v1 import fragment_pb2
-
-DEFAULT_MAX_CHUNK_BYTES = 1 << 20  # 1 MiB, a quarter of gRPC's default message limit
 
 
 def segments_header(
