@@ -92,6 +92,8 @@ class Accumulator:
     # The largest weight taken out of this sum again (a refused or moved update): where
     # weights are unbounded, what is left may have lost the others' float32 bits (owner.py).
     taken_out: float = field(default=0.0, init=False, compare=False)
+    # Whether a chunk moves to another sum in one compiled pass (`move_encoded`).
+    compiled_moves: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.total = np.zeros(self.size, np.float32)
@@ -138,7 +140,9 @@ class Accumulator:
         """A chunk added into this sum at `weight` moves to `dst` (an update's round was
         sealed while it streamed in): decoded once where the codec has a compiled path, bit
         for bit taking it out here and adding it there."""
-        if codec.move_into(self.total, dst.total, weight, segment, block_size):
+        if self.compiled_moves and codec.move_into(
+            self.total, dst.total, weight, segment, block_size
+        ):
             return
         self.add_encoded(segment, codec, block_size, -weight, norms, limit)
         dst.add_encoded(segment, codec, block_size, weight, norms, limit)
@@ -176,6 +180,7 @@ class RadialAccumulator(Accumulator):
 
     norm_sum: np.ndarray = field(init=False)
     direction_norms: np.ndarray = field(init=False)
+    compiled_moves: ClassVar[bool] = False  # each tensor's part is scaled by its own factor
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -216,20 +221,6 @@ class RadialAccumulator(Accumulator):
         else:
             self.subtract(segment.offset, values, -weight, norms)
         return squares
-
-    def move_encoded(
-        self,
-        dst: Accumulator,
-        segment: Segment,
-        codec: Codec,
-        block_size: int,
-        weight: float,
-        norms: Sequence[float],
-        limit: float,
-    ) -> None:
-        """Decoded into each in turn: each tensor's part is scaled by its own factor."""
-        self.add_encoded(segment, codec, block_size, -weight, norms, limit)
-        dst.add_encoded(segment, codec, block_size, weight, norms, limit)
 
     def add(self, offset: int, values: np.ndarray, weight: float, norms: Sequence[float]) -> None:
         self._scaled(offset, values, weight, norms)
