@@ -127,6 +127,10 @@ class Accumulator:
         could pass `limit`."""
         return codec.decode_into(self.total, weight, segment, block_size, limit)
 
+    def took_out(self, weight: float) -> None:
+        """A chunk summed at `weight` left this sum again (refused, or moved on)."""
+        self.taken_out = max(self.taken_out, weight)
+
     def move_encoded(
         self,
         dst: Accumulator,

@@ -326,11 +326,9 @@ class FragmentOwner:
                 f"learner {learner!r} already has an update in fragment {self.fragment}'s open "
                 "round; resend once it merges"
             )
-        weight = token_weight(c_tokens, c_steps)
-        cap = self.weight_cap(learner)
-        if cap is not None and weight > cap:
-            log.info("weight_capped", fragment=self.fragment, learner=learner, weight=weight)
-            weight = cap
+        cap, asked = self.weight_cap(learner), token_weight(c_tokens, c_steps)
+        if cap is not None and asked > cap:
+            log.info("weight_capped", fragment=self.fragment, learner=learner, weight=asked)
         # With no cap (the fragment's first updates, or the first since this owner took it
         # over) its weight is provisional: capped against the other members of its round
         # once the round is sealed (`_sum_provisional`), or against other learners' weights
@@ -338,7 +336,6 @@ class FragmentOwner:
         staleness = 1.0
         if self.version is not None and self.config.staleness_decay != 1.0:
             staleness = staleness_weight(self.version - base_version, self.config.staleness_decay)
-        weight *= staleness
         bound = self.norm_bound(learner, c_steps)
         claimed = math.sqrt(sum(float(n) ** 2 for n in norms))
         if claimed > bound:
@@ -354,7 +351,7 @@ class FragmentOwner:
             c_steps,
             c_tokens,
             compute_seconds,
-            max(weight, 1e-30),
+            update_weight(c_tokens, c_steps, cap, staleness),
             tuple(norms),
             codec,
             block_size,
@@ -463,8 +460,8 @@ class FragmentOwner:
 
     def _sum(self, update: Update, target: Accumulator, segment: codecs.Segment, w: float) -> float:
         """Decode a chunk and add it into `target` weighing `w` (negative: out again)."""
-        if -w > target.taken_out:
-            target.taken_out = -w
+        if w < 0:
+            target.took_out(-w)
         return target.add_encoded(
             segment, update.codec, update.block_size, w, update.norms, MAX_WEIGHTED_VALUE
         )
@@ -546,40 +543,36 @@ class FragmentOwner:
         its round then needs no provisional sum of its own (a fragment-sized array)."""
         old = update.weight
         if update.provisional and cap is not None:
-            claimed = token_weight(update.c_tokens, update.c_steps)
-            update.weight = max(min(claimed, cap) * update.staleness, 1e-30)
+            update.weight = update_weight(update.c_tokens, update.c_steps, cap, update.staleness)
             update.provisional = False
         # Every summed chunk not in the update's sum now: those of the sealed round, and
         # one whose sum began as the round was sealed (it read the new round, and was summed
-        # into its provisional sum at the weight before this settled it).
-        where = update.accumulator.provisional if update.provisional else update.accumulator
+        # into its provisional sum at the weight before this settled it). A provisional sum
+        # made here and left empty costs no memory until written.
+        target = self._sum_for(update)
         moving = [
             chunk
             for chunk in update.chunks
-            if chunk.accumulator is not None and chunk.accumulator is not where
+            if chunk.accumulator is not None and chunk.accumulator is not target
         ]
-        if not moving:
-            return
-        target = self._sum_for(update)
 
         def move(chunk: Chunk) -> None:
             source = chunk.accumulator
             assert source is not None  # `moving` holds summed chunks only
-            if update.weight != old:  # out at the weight it was summed at, in at its own
+            if update.weight == old:
+                source.took_out(old)
+                source.move_encoded(
+                    target,
+                    chunk.segment,
+                    update.codec,
+                    update.block_size,
+                    old,
+                    update.norms,
+                    MAX_WEIGHTED_VALUE,
+                )
+            else:  # out at the weight it was summed at, in at the one settled
                 self._sum(update, source, chunk.segment, -old)
                 self._sum(update, target, chunk.segment, update.weight)
-                chunk.accumulator = target
-                return
-            source.taken_out = max(source.taken_out, old)  # as `_sum` at -weight
-            source.move_encoded(
-                target,
-                chunk.segment,
-                update.codec,
-                update.block_size,
-                old,
-                update.norms,
-                MAX_WEIGHTED_VALUE,
-            )
             chunk.accumulator = target
 
         _each_chunk(move, moving)
@@ -967,6 +960,15 @@ class _Phases:
         tm.MERGE_PHASE_SECONDS.labels(phase=phase).observe(now - self.mark)
         self.seconds[phase] = round(now - self.mark, 4)
         self.mark = now
+
+
+def update_weight(c_tokens: int, c_steps: int, cap: float | None, staleness: float) -> float:
+    """What an update weighs in its round: its tokens' weight (`token_weight`), at most
+    `cap` (None: provisional, as claimed), times its staleness factor; never zero."""
+    weight = token_weight(c_tokens, c_steps)
+    if cap is not None:
+        weight = min(weight, cap)
+    return max(weight * staleness, 1e-30)
 
 
 def step_scale(steps: int, reference_steps: int) -> float:
