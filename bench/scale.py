@@ -9,7 +9,9 @@ fragment again once its last update merged, while rounds merge at the default ca
 replica, spread over them as a Service spreads them, reads every global fragment that
 replica pushes (counted, not decoded) and heartbeats like a real one. Reported per R:
 payload MB/s received, updates sent and received, MB/s pushed to the learners, one call's
-time and what the replicas say it waited for, merges (the slowest four, with their phases,
+time and what the replicas say it waited for, how fresh the learners' view was (from an
+update's receipt to a newer version of its fragment at its learner, and from a version's
+commit to its first chunk at a learner: `freshness`), merges (the slowest four, with their phases,
 and the mean of each phase), each replica's peak RSS (the kernel's high-water mark) against
 the bound 6 x the fp32 bytes of the fragments it owns + 500 MB, Redis's peak memory and
 largest value, merge latency (a round ready, by its last update or its grace window's
@@ -125,6 +127,31 @@ def _phase_means(metrics_ports: list[int], histogram: str) -> dict[str, float]:
                 elif sample.name.endswith("_count"):
                     counts[phase] = counts.get(phase, 0.0) + sample.value
     return {phase: round(sums[phase] / counts[phase], 4) for phase in sums if counts.get(phase)}
+
+
+def freshness(
+    results: list[dict[str, Any]], entries: list[dict[str, Any]]
+) -> tuple[list[float], list[float]]:
+    """From the synthetic learners' results and the fragments' commit logs: for each update
+    received, the seconds until its learner saw the first chunk of a newer version of that
+    fragment (the earliest it sends the fragment again: its round merged, and the new
+    version pushed); for each version a learner saw, the seconds from its commit to its
+    first chunk there (the push alone). Times are wall-clock, all on one machine."""
+    committed = {
+        (int(e["fragment"]), int(e["version"])): float(e["committed_at"])
+        for e in entries
+        if "committed_at" in e
+    }
+    newer: list[float] = []
+    lags: list[float] = []
+    for result in results:
+        seen = [(int(p), int(v), float(t)) for p, v, t in result["seen_at"]]
+        for p, version, at in result["received_at"]:
+            later = [t for q, v, t in seen if q == p and v > version and t >= at]
+            if later:
+                newer.append(min(later) - at)
+        lags += [t - committed[(p, v)] for p, v, t in seen if (p, v) in committed]
+    return newer, lags
 
 
 def _initialize(address: str, spec: list[LeafSpec], fragments: int) -> None:
@@ -250,6 +277,11 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
                 child.stop()
     entries = [e for log in logs for e in log if "latency_s" in e]
     calls = [float(c) for r in results for c in r["calls_s"]]
+    newer, lags = freshness(results, [e for log in logs for e in log])
+    refused: dict[str, int] = {}
+    for r in results:
+        for code, count in r["refused"].items():
+            refused[code] = refused.get(code, 0) + int(count)
     latencies = [float(e["latency_s"]) for e in entries]
     seconds = max(r["seconds"] for r in results)
     fragment_mb = n * 4 / 1e6
@@ -263,6 +295,12 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
         # One Ingest call as its learner saw it, and what the replicas say it waited for.
         "ingest_call_s": _p50_p99(calls),
         "ingest_wait_mean_s": waits,
+        # From an update's receipt to its learner's first chunk of a newer version of that
+        # fragment (the earliest it sends the fragment again); from a version's commit to
+        # a learner's first chunk of it; calls that failed.
+        "newer_version_s": _p50_p99(newer),
+        "push_lag_s": _p50_p99(lags),
+        "calls_refused": refused,
         "merge_phase_mean_s": merge_phases,
         "merges": sum(len(log) for log in logs),
         "fragments_owned": [owned[c.name] for c in children],
@@ -374,6 +412,7 @@ class _Session:
         self.channel = grpc.insecure_channel(address, options=channel_options(1.0))
         self.owners: dict[int, str] = {}
         self.versions: dict[int, int] = {}
+        self.seen_at: dict[tuple[int, int], float] = {}  # (fragment, version): first chunk
         self.bytes_down = 0
         self.ready = threading.Event()
         self._closed = threading.Event()
@@ -421,6 +460,8 @@ class _Session:
                 chunk = message.fragment
                 self.bytes_down += len(chunk.data)
                 p = chunk.header.fragment
+                if chunk.version > self.versions.get(p, 0):
+                    self.seen_at[(p, chunk.version)] = time.time()
                 self.versions[p] = max(self.versions.get(p, 0), chunk.version)
             if self._closed.is_set():
                 return
@@ -480,6 +521,10 @@ def run_learner(settings: ScaleLearner) -> None:
     lock = threading.Lock()
     counts = {"sent": 0, "received": 0, "seq": 0}
     calls: list[float] = []
+    refused: dict[str, int] = {}  # calls that failed, by status code
+    # (fragment, version received at, when): how long each update's fragment then took to
+    # show its learner a newer version (its merge, and the push of its delta).
+    received: list[tuple[int, int, float]] = []
     fragments = _Fragments(
         settings.index % settings.fragments, settings.fragments, session.versions
     )
@@ -508,7 +553,10 @@ def run_learner(settings: ScaleLearner) -> None:
         began = time.monotonic()
         try:
             ack = call(iter([c + tail for c in static[p]]), timeout=120)
-        except grpc.RpcError:
+        except grpc.RpcError as err:
+            with lock:
+                code = err.code().name if hasattr(err, "code") else "UNKNOWN"
+                refused[code] = refused.get(code, 0) + 1
             time.sleep(0.1)
             return None
         with lock:
@@ -517,6 +565,7 @@ def run_learner(settings: ScaleLearner) -> None:
             if ack.status != session_pb2.ACK_STATUS_RECEIVED:
                 return None
             counts["received"] += 1
+            received.append((p, int(ack.version), time.time()))
             return int(ack.version)
 
     def sender() -> None:
@@ -538,6 +587,7 @@ def run_learner(settings: ScaleLearner) -> None:
         thread.join()
     elapsed = time.monotonic() - started
     session.close()
+    seen = [(p, v, at) for (p, v), at in sorted(session.seen_at.items())]
     settings.result.write_text(
         json.dumps(
             {
@@ -547,6 +597,11 @@ def run_learner(settings: ScaleLearner) -> None:
                 "seconds": elapsed,
                 "bytes_down": session.bytes_down,
                 "calls_s": calls,
+                "refused": refused,
+                # [fragment, version, wall-clock time]: updates received (at that version)
+                # and each version's first chunk seen, to compare with the commit log.
+                "received_at": received,
+                "seen_at": seen,
                 "cpu_s": time.process_time(),  # every thread of this process, gRPC's too
             }
         )

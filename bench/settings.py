@@ -31,7 +31,8 @@ class SynchronizerBench(_Output):
 
 class ScaleBench(_Output):
     """Synchronizer ingest at model size over 1, 2, 4... replicas, rounds merging: MB/s,
-    scaling efficiency, peak RSS per replica, Redis memory and merge latency."""
+    scaling efficiency, peak RSS per replica, Redis memory, merge latency, and how soon
+    the learners saw the versions their updates made."""
 
     params: float = Field(1e9, ge=1e4, description="model parameters N (e.g. 3e8, 1e9)")
     fragments: int = Field(8, ge=1, le=256, description="P")

@@ -7,6 +7,7 @@ import json
 import subprocess
 from pathlib import Path
 
+from bench.scale import freshness
 from cluster.processes import atoll_command
 
 KEYS = {
@@ -62,6 +63,10 @@ def test_the_scale_bench_merges_over_one_and_two_replicas_and_says_where_time_we
         # The replicas' own metrics say what each call waited for and where merges went.
         assert {"read", "sum", "record", "downlink"} <= set(run["ingest_wait_mean_s"])
         assert {"step", "delta_write", "checksum", "commit"} <= set(run["merge_phase_mean_s"])
+        # How fresh the learners' view was: their updates merged and came back to them.
+        assert 0 < run["newer_version_s"]["p50"] <= run["newer_version_s"]["p99"]
+        assert 0 <= run["push_lag_s"]["p50"] <= run["push_lag_s"]["p99"]
+        assert run["calls_refused"] == {}
         slowest = run["slowest_merges"][0]
         assert slowest[2] >= run["merge_latency_s"]["p99"] - 1e-3  # the slowest is first
         assert "step" in slowest[3]
@@ -70,3 +75,22 @@ def test_the_scale_bench_merges_over_one_and_two_replicas_and_says_where_time_we
         assert cpu["replicas"] > 0
         assert cpu["learners"] > 0
         assert cpu["machine"] <= cpu["cores"] + 0.5
+
+
+def test_freshness_pairs_receipts_with_the_next_version_seen_and_commits_with_arrivals() -> None:
+    result = {
+        # Fragment 0 received at version 3 at t=10, at version 5 at t=20 (never newer seen).
+        "received_at": [[0, 3, 10.0], [0, 5, 20.0], [1, 0, 11.0]],
+        # Version 4 of fragment 0 first seen at t=12.5, version 5 at t=14; fragment 1's
+        # version 1 came before its update was received (not an answer to it), version 2 after.
+        "seen_at": [[0, 4, 12.5], [0, 5, 14.0], [1, 1, 10.5], [1, 2, 13.0]],
+    }
+    log = [
+        {"fragment": 0, "version": 4, "committed_at": 12.0},
+        {"fragment": 0, "version": 5, "committed_at": 13.0},
+        {"fragment": 1, "version": 2, "committed_at": 12.75},
+        {"fragment": 1, "version": 1},  # an entry without a commit time is skipped
+    ]
+    newer, lags = freshness([result], log)
+    assert newer == [2.5, 2.0]
+    assert sorted(lags) == [0.25, 0.5, 1.0]
