@@ -166,45 +166,39 @@ def most_behind(
     return bool(ordered) and ordered[(len(ordered) - 1) // 2] > mark
 
 
-def _serialize(chunks: list[fragment_pb2.GlobalFragmentChunk]) -> list[tuple[int, bytes]]:
-    """Each chunk's version and its SynchronizerMessage's bytes."""
-    return [
-        (c.version, session_pb2.SynchronizerMessage(fragment=c).SerializeToString()) for c in chunks
-    ]
-
-
-async def _serialized(
-    chunks: list[fragment_pb2.GlobalFragmentChunk],
-) -> list[tuple[int, bytes]]:
-    """`_serialize` off the event loop (a whole value is gigabytes)."""
-    return await asyncio.to_thread(_serialize, chunks)
-
-
-def value_chunks(
-    fragment: int, version: int, values: bytes | memoryview, chunk_bytes: int
-) -> list[fragment_pb2.GlobalFragmentChunk]:
-    """A whole float32 value as fp32 segments."""
+def _value_layout(
+    fragment: int, values: bytes | memoryview, chunk_bytes: int
+) -> tuple[fragment_pb2.PayloadHeader, list[tuple[int, int]]]:
+    """A whole float32 value's header as fp32 segments, and each segment's [start, stop)."""
     n = len(values) // 4
     step = max(1, chunk_bytes // 4)
-    count = max(1, -(-n // step))
+    spans = [(start, min(n, start + step)) for start in range(0, max(1, n), step)]
     header = fragment_pb2.PayloadHeader(
         fragment=fragment,
         codec=fragment_pb2.CODEC_FP32,
         num_elements=n,
         checksum=codecs.checksum(values),
-        chunk_count=count,
+        chunk_count=len(spans),
         total_bytes=len(values),
     )
+    return header, spans
+
+
+def value_chunks(
+    fragment: int, version: int, values: bytes | memoryview, chunk_bytes: int
+) -> list[fragment_pb2.GlobalFragmentChunk]:
+    """A whole float32 value as fp32 segments (a fetch's answer)."""
+    header, spans = _value_layout(fragment, values, chunk_bytes)
     return [
         fragment_pb2.GlobalFragmentChunk(
             header=header,
             version=version,
             chunk_index=i,
-            data=bytes(values[4 * start : 4 * min(n, start + step)]),
+            data=bytes(values[4 * start : 4 * stop]),
             value_offset=start,
-            value_count=min(n, start + step) - start,
+            value_count=stop - start,
         )
-        for i, start in enumerate(range(0, max(1, n), step))
+        for i, (start, stop) in enumerate(spans)
     ]
 
 
@@ -221,10 +215,10 @@ def delta_messages(
     block_size: int,
     n: int,
 ) -> list[tuple[int, bytes]]:
-    """A stored delta as serialized SynchronizerMessages, one a segment (see `_serialize`),
-    each segment's bytes copied once: built as protobuf would, they were copied into the
-    chunk, into the message and into its serialization (a large model's delta is tens of
-    MB a fragment, and every merge's is pushed)."""
+    """A stored delta as serialized SynchronizerMessages, each with its version, one a
+    segment, each segment's bytes copied once: built as protobuf would, they were copied
+    into the chunk, into the message and into its serialization (a large model's delta is
+    tens of MB a fragment, and every merge's is pushed)."""
     segments = codecs.unpack_segments(blob)
     header = segments_header(fragment, codec.wire, block_size, n, segments)
     out = []
@@ -239,6 +233,28 @@ def delta_messages(
             value_count=s.count,
         ).SerializeToString()
         chunk = join_field(head, CHUNK_DATA_FIELD, s.data)
+        out.append((version, b"".join(bytes_field(FRAGMENT_FIELD, chunk))))
+    return out
+
+
+def value_messages(
+    fragment: int, version: int, values: bytes | memoryview, chunk_bytes: int
+) -> list[tuple[int, bytes]]:
+    """A whole float32 value as serialized SynchronizerMessages, one a segment, each
+    segment's bytes copied once (as `delta_messages`): built from `value_chunks`, a whole
+    value (the fragment's float32 size) was copied into the chunks, the messages and their
+    serializations, several times its size held at once."""
+    header, spans = _value_layout(fragment, values, chunk_bytes)
+    out = []
+    for i, (start, stop) in enumerate(spans):
+        head = fragment_pb2.GlobalFragmentChunk(
+            header=header,
+            version=version,
+            chunk_index=i,
+            value_offset=start,
+            value_count=stop - start,
+        ).SerializeToString()
+        chunk = join_field(head, CHUNK_DATA_FIELD, values[4 * start : 4 * stop])
         out.append((version, b"".join(bytes_field(FRAGMENT_FIELD, chunk))))
     return out
 
@@ -678,7 +694,7 @@ class Sessions:
                         break
                     chunks += serialized
             if not chunks:
-                full = full or await _serialized(await self.fragment_chunks(fragment))
+                full = full or await self._whole_value(fragment)
                 chunks = full
             conn.sent_versions[fragment] = max(version, chunks[0][0])
             for _, data in chunks:
@@ -699,6 +715,14 @@ class Sessions:
 
         return await asyncio.to_thread(
             delta_messages, fragment, version, blob, codec, self.settings.block_size, n
+        )
+
+    async def _whole_value(self, fragment: int) -> list[tuple[int, bytes]]:
+        """The fragment's whole current value as serialized messages, for every learner
+        that needs it."""
+        version, value = await self.rebuilt.get(self.store, self.tensors, fragment)
+        return await asyncio.to_thread(  # copies the whole value: off the event loop
+            value_messages, fragment, version, float32_bytes(value), self.settings.max_chunk_bytes
         )
 
     async def fragment_chunks(

@@ -3,8 +3,10 @@
 import asyncio
 import time
 
+import numpy as np
 import pytest
 
+from services.gen.atoll.v1 import session_pb2
 from synchronizer import session
 from synchronizer.session import (
     DOWNLINK_BACKLOG_BYTES,
@@ -118,3 +120,17 @@ def test_an_upload_waits_at_most_the_cap_for_learners_that_read_but_stay_behind(
 
     waited = asyncio.run(run())
     assert 0.5 <= waited < 1.0
+
+
+@pytest.mark.parametrize(("n", "chunk_bytes"), [(1, 64), (1000, 400), (1000, 4000), (0, 64)])
+def test_a_whole_value_is_built_as_protobuf_would_serialize_it(n: int, chunk_bytes: int) -> None:
+    """The whole-value push copies each segment once; its messages parse as the messages
+    protobuf builds from `value_chunks` (a fetch's answer) do."""
+    values = np.arange(n, dtype="<f4").view(np.uint8).data
+    built = session.value_messages(3, 7, values, chunk_bytes)
+    chunks = session.value_chunks(3, 7, values, chunk_bytes)
+    assert [v for v, _ in built] == [7] * len(chunks)
+    for (_, data), chunk in zip(built, chunks, strict=True):
+        assert session_pb2.SynchronizerMessage.FromString(data) == (
+            session_pb2.SynchronizerMessage(fragment=chunk)
+        )
