@@ -11,12 +11,12 @@ replica pushes (counted, not decoded) and heartbeats like a real one. Reported p
 payload MB/s received, updates sent and received, MB/s pushed to the learners, one call's
 time and what the replicas say it waited for, how fresh the learners' view was (from an
 update's receipt to a newer version of its fragment at its learner, and from a version's
-commit to its first chunk at a learner: `freshness`), merges (the slowest four, with their phases,
-and the mean of each phase), each replica's peak RSS (the kernel's high-water mark) against
-the bound 6 x the fp32 bytes of the fragments it owns + 500 MB, Redis's peak memory and
-largest value, merge latency (a round ready, by its last update or its grace window's
-end, to its version committed), and the cores busy meanwhile (the machine's, the replicas',
-the synthetic learners').
+commit to its first chunk at a learner: `freshness`), merges (the slowest four, with their
+phases, and the mean of each phase), each replica's peak RSS (the kernel's high-water
+mark) against the bound 6 x the fp32 bytes of the fragments it owns + 500 MB, Redis's peak
+memory and largest value, merge latency (a round ready, by its last update or its grace
+window's end, to its version committed), and the cores busy meanwhile (the machine's, the
+replicas', the synthetic learners').
 """
 
 from __future__ import annotations
@@ -275,9 +275,10 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
                 learner.stop()
             for child in children:
                 child.stop()
-    entries = [e for log in logs for e in log if "latency_s" in e]
+    logged = [e for log in logs for e in log]
+    entries = [e for e in logged if "latency_s" in e]
     calls = [float(c) for r in results for c in r["calls_s"]]
-    newer, lags = freshness(results, [e for log in logs for e in log])
+    newer, lags = freshness(results, logged)
     refused: dict[str, int] = {}
     for r in results:
         for code, count in r["refused"].items():
@@ -302,7 +303,7 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
         "push_lag_s": _p50_p99(lags),
         "calls_refused": refused,
         "merge_phase_mean_s": merge_phases,
-        "merges": sum(len(log) for log in logs),
+        "merges": len(logged),
         "fragments_owned": [owned[c.name] for c in children],
         "peak_rss_mb": [round(x, 1) for x in rss],
         "rss_bound_mb": [round(b, 1) for b in bounds],

@@ -202,9 +202,17 @@ def value_chunks(
     ]
 
 
-# Where a pushed delta's bytes go: SynchronizerMessage.fragment, GlobalFragmentChunk.data.
+# Where a pushed chunk's bytes go: SynchronizerMessage.fragment, GlobalFragmentChunk.data.
 FRAGMENT_FIELD = session_pb2.SynchronizerMessage.DESCRIPTOR.fields_by_name["fragment"].number
 CHUNK_DATA_FIELD = fragment_pb2.GlobalFragmentChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def pushed_chunk(chunk: fragment_pb2.GlobalFragmentChunk, data: codecs.Payload) -> bytes:
+    """The SynchronizerMessage of `chunk` (its data left unset) holding `data`, serialized
+    with `data` copied once: built as protobuf would, it is copied into the chunk, into the
+    message and into its serialization."""
+    parts = join_field(chunk.SerializeToString(), CHUNK_DATA_FIELD, data)
+    return b"".join(bytes_field(FRAGMENT_FIELD, parts))
 
 
 def delta_messages(
@@ -216,47 +224,54 @@ def delta_messages(
     n: int,
 ) -> list[tuple[int, bytes]]:
     """A stored delta as serialized SynchronizerMessages, each with its version, one a
-    segment, each segment's bytes copied once: built as protobuf would, they were copied
-    into the chunk, into the message and into its serialization (a large model's delta is
-    tens of MB a fragment, and every merge's is pushed)."""
+    segment, each segment's bytes copied once (`pushed_chunk`: a large model's delta is tens
+    of MB a fragment, and every merge's is pushed)."""
     segments = codecs.unpack_segments(blob)
     header = segments_header(fragment, codec.wire, block_size, n, segments)
-    out = []
-    for i, s in enumerate(segments):
-        head = fragment_pb2.GlobalFragmentChunk(
-            header=header,
-            version=version,
-            chunk_index=i,
-            delta=True,
-            base_version=version - 1,
-            value_offset=s.offset,
-            value_count=s.count,
-        ).SerializeToString()
-        chunk = join_field(head, CHUNK_DATA_FIELD, s.data)
-        out.append((version, b"".join(bytes_field(FRAGMENT_FIELD, chunk))))
-    return out
+    return [
+        (
+            version,
+            pushed_chunk(
+                fragment_pb2.GlobalFragmentChunk(
+                    header=header,
+                    version=version,
+                    chunk_index=i,
+                    delta=True,
+                    base_version=version - 1,
+                    value_offset=s.offset,
+                    value_count=s.count,
+                ),
+                s.data,
+            ),
+        )
+        for i, s in enumerate(segments)
+    ]
 
 
 def value_messages(
     fragment: int, version: int, values: bytes | memoryview, chunk_bytes: int
 ) -> list[tuple[int, bytes]]:
     """A whole float32 value as serialized SynchronizerMessages, one a segment, each
-    segment's bytes copied once (as `delta_messages`): built from `value_chunks`, a whole
-    value (the fragment's float32 size) was copied into the chunks, the messages and their
+    segment's bytes copied once (`pushed_chunk`): built from `value_chunks`, a whole value
+    (the fragment's float32 size) was copied into the chunks, the messages and their
     serializations, several times its size held at once."""
     header, spans = _value_layout(fragment, values, chunk_bytes)
-    out = []
-    for i, (start, stop) in enumerate(spans):
-        head = fragment_pb2.GlobalFragmentChunk(
-            header=header,
-            version=version,
-            chunk_index=i,
-            value_offset=start,
-            value_count=stop - start,
-        ).SerializeToString()
-        chunk = join_field(head, CHUNK_DATA_FIELD, values[4 * start : 4 * stop])
-        out.append((version, b"".join(bytes_field(FRAGMENT_FIELD, chunk))))
-    return out
+    return [
+        (
+            version,
+            pushed_chunk(
+                fragment_pb2.GlobalFragmentChunk(
+                    header=header,
+                    version=version,
+                    chunk_index=i,
+                    value_offset=start,
+                    value_count=stop - start,
+                ),
+                values[4 * start : 4 * stop],
+            ),
+        )
+        for i, (start, stop) in enumerate(spans)
+    ]
 
 
 class Downlink:
