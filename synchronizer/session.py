@@ -14,7 +14,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,12 +207,30 @@ FRAGMENT_FIELD = session_pb2.SynchronizerMessage.DESCRIPTOR.fields_by_name["frag
 CHUNK_DATA_FIELD = fragment_pb2.GlobalFragmentChunk.DESCRIPTOR.fields_by_name["data"].number
 
 
-def pushed_chunk(chunk: fragment_pb2.GlobalFragmentChunk, data: codecs.Payload) -> bytes:
-    """The SynchronizerMessage of `chunk` (its data left unset) holding `data`, serialized
-    with `data` copied once: built as protobuf would, it is copied into the chunk, into the
-    message and into its serialization."""
-    parts = join_field(chunk.SerializeToString(), CHUNK_DATA_FIELD, data)
-    return b"".join(bytes_field(FRAGMENT_FIELD, parts))
+def pushed_chunks(
+    header: fragment_pb2.PayloadHeader,
+    version: int,
+    pieces: Iterable[tuple[int, int, codecs.Payload]],
+    **fields: Any,
+) -> list[tuple[int, bytes]]:
+    """Each (value offset, value count, bytes) of a payload as a pushed SynchronizerMessage
+    of `version`, with the chunk's `fields` besides, and the version it brings: serialized
+    with its bytes copied once, where protobuf copies them into the chunk, into the message
+    and into its serialization (a large model's fragment is tens of MB, and every merge's
+    delta is pushed)."""
+    out = []
+    for i, (offset, count, data) in enumerate(pieces):
+        head = fragment_pb2.GlobalFragmentChunk(
+            header=header,
+            version=version,
+            chunk_index=i,
+            value_offset=offset,
+            value_count=count,
+            **fields,
+        ).SerializeToString()
+        parts = join_field(head, CHUNK_DATA_FIELD, data)
+        out.append((version, b"".join(bytes_field(FRAGMENT_FIELD, parts))))
+    return out
 
 
 def delta_messages(
@@ -223,55 +241,21 @@ def delta_messages(
     block_size: int,
     n: int,
 ) -> list[tuple[int, bytes]]:
-    """A stored delta as serialized SynchronizerMessages, each with its version, one a
-    segment, each segment's bytes copied once (`pushed_chunk`: a large model's delta is tens
-    of MB a fragment, and every merge's is pushed)."""
+    """A stored delta as pushed messages, one a segment (`pushed_chunks`)."""
     segments = codecs.unpack_segments(blob)
     header = segments_header(fragment, codec.wire, block_size, n, segments)
-    return [
-        (
-            version,
-            pushed_chunk(
-                fragment_pb2.GlobalFragmentChunk(
-                    header=header,
-                    version=version,
-                    chunk_index=i,
-                    delta=True,
-                    base_version=version - 1,
-                    value_offset=s.offset,
-                    value_count=s.count,
-                ),
-                s.data,
-            ),
-        )
-        for i, s in enumerate(segments)
-    ]
+    pieces = ((s.offset, s.count, s.data) for s in segments)
+    return pushed_chunks(header, version, pieces, delta=True, base_version=version - 1)
 
 
 def value_messages(
     fragment: int, version: int, values: bytes | memoryview, chunk_bytes: int
 ) -> list[tuple[int, bytes]]:
-    """A whole float32 value as serialized SynchronizerMessages, one a segment, each
-    segment's bytes copied once (`pushed_chunk`): built from `value_chunks`, a whole value
-    (the fragment's float32 size) was copied into the chunks, the messages and their
-    serializations, several times its size held at once."""
+    """A whole float32 value as pushed messages, one a segment (`pushed_chunks`): built from
+    `value_chunks` instead, it was held several times its size at once."""
     header, spans = _value_layout(fragment, values, chunk_bytes)
-    return [
-        (
-            version,
-            pushed_chunk(
-                fragment_pb2.GlobalFragmentChunk(
-                    header=header,
-                    version=version,
-                    chunk_index=i,
-                    value_offset=start,
-                    value_count=stop - start,
-                ),
-                values[4 * start : 4 * stop],
-            ),
-        )
-        for i, (start, stop) in enumerate(spans)
-    ]
+    pieces = ((start, stop - start, values[4 * start : 4 * stop]) for start, stop in spans)
+    return pushed_chunks(header, version, pieces)
 
 
 class Downlink:
