@@ -6,8 +6,9 @@ protocol, then L synthetic learners (processes) that stream pre-encoded int4 upd
 fragment's owner over Ingest calls (`--calls` at once), round robin over the fragments, each
 fragment again once its last update merged, while rounds merge at the default cadence
 (decoupled, quorum 1, adaptive grace). Each learner holds its control session with one
-replica, spread over them as a Service spreads them, reads every global fragment that
-replica pushes (counted, not decoded) and heartbeats like a real one. Reported per R:
+replica, spread over them as a Service spreads them, and heartbeats like a real one; it
+follows every replica, reading each new global fragment its owner pushes (counted, not
+decoded). Reported per R:
 payload MB/s received, updates sent and received, MB/s pushed to the learners, one call's
 time and what the replicas say it waited for, how fresh the learners' view was (from an
 update's receipt to a newer version of its fragment at its learner, and from a version's
@@ -21,6 +22,7 @@ replicas', the synthetic learners').
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -407,7 +409,8 @@ def static_chunks(
 
 
 class _Session:
-    """A learner's control session that reads everything pushed (counting, not decoding)."""
+    """A learner's control session, and its Follow call to each replica of the owner map,
+    reading every new value pushed (counting, not decoding)."""
 
     def __init__(self, address: str, spec: list[LeafSpec], learner: str) -> None:
         self.channel = grpc.insecure_channel(address, options=channel_options(1.0))
@@ -417,6 +420,8 @@ class _Session:
         self.bytes_down = 0
         self.ready = threading.Event()
         self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._following: dict[str, grpc.Channel] = {}
         self._hello = session_pb2.LearnerMessage(
             hello=session_pb2.Hello(
                 job="default",
@@ -456,20 +461,40 @@ class _Session:
             if kind in ("welcome", "owners"):
                 owners = message.welcome.owners if kind == "welcome" else message.owners.owners
                 self.owners = {o.fragment: o.address for o in owners}
+                for address in set(self.owners.values()) - set(self._following):
+                    channel = grpc.insecure_channel(address, options=channel_options(1.0))
+                    self._following[address] = channel
+                    threading.Thread(target=self._follow, args=(channel,), daemon=True).start()
                 self.ready.set()
-            elif kind == "fragment":
-                chunk = message.fragment
-                self.bytes_down += len(chunk.data)
-                p = chunk.header.fragment
-                if chunk.version > self.versions.get(p, 0):
-                    self.seen_at[(p, chunk.version)] = time.time()
-                self.versions[p] = max(self.versions.get(p, 0), chunk.version)
             if self._closed.is_set():
                 return
+
+    def _follow(self, channel: grpc.Channel) -> None:
+        """New values of the fragments a replica owns, from the versions seen (the bench's
+        replicas keep their fragments: one call, for as long as the bench runs)."""
+        follow = channel.unary_stream(
+            f"/{SERVICE}/Follow",
+            request_serializer=synchronizer_pb2.FollowRequest.SerializeToString,
+            response_deserializer=session_pb2.SynchronizerMessage.FromString,
+        )
+        request = synchronizer_pb2.FollowRequest(job="default", held=dict(self.versions))
+        with contextlib.suppress(grpc.RpcError):  # the replica stops at the bench's end
+            for message in follow(request):
+                chunk = message.fragment
+                p = chunk.header.fragment
+                with self._lock:
+                    self.bytes_down += len(chunk.data)
+                    if chunk.version > self.versions.get(p, 0):
+                        self.seen_at[(p, chunk.version)] = time.time()
+                    self.versions[p] = max(self.versions.get(p, 0), chunk.version)
+                if self._closed.is_set():
+                    return
 
     def close(self) -> None:
         self._closed.set()
         self.channel.close()
+        for channel in self._following.values():
+            channel.close()
 
 
 class _Fragments:
@@ -508,8 +533,8 @@ def run_learner(settings: ScaleLearner) -> None:
     codec = codecs.by_name(settings.codec)
     payload = sum(len(s.data) for s in segments)
     learner = f"bench-{settings.index}"
-    # Sessions spread over the replicas as a Service spreads them: each replica pushes new
-    # versions to its share of the learners.
+    # Sessions spread over the replicas as a Service spreads them (new values come from
+    # each fragment's owner, on the learner's Follow calls).
     addresses = settings.addresses.split(",")
     session = _Session(addresses[settings.index % len(addresses)], spec, learner)
     session.ready.wait(30)

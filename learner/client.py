@@ -3,14 +3,16 @@
 It knows nothing of JAX: it sends encoded fragments, hands back acks and new global
 fragments as numpy arrays, and keeps the session alive. Two paths:
 - the control session, with any synchronizer replica: hello, heartbeats; welcome, the owner
-  map, commit notices, new global fragments, the job's status. When it breaks it reconnects
+  map, commit notices, the job's status. When it breaks it reconnects
   (exponential backoff with jitter, over every address it was given) for as long as the
   learner lives, and fetches the fragments whose version moved while it was away. It never
   gives up on the synchronizer tier unless told to (`give_up_s`): the learner keeps training
   from what it holds meanwhile;
 - ingest: each update goes, chunk by chunk, to the replica that owns its fragment (an Ingest
   call). An update is kept until its owner says it is committed; if the owner changes first
-  (its epoch moves), it is sent again to the new owner, which deduplicates it.
+  (its epoch moves), it is sent again to the new owner, which deduplicates it;
+- following: new global fragments come from each fragment's owner, on a Follow call to every
+  replica of the owner map (a thread each), as deltas onto the values held or whole.
 Sending never blocks the caller.
 """
 
@@ -20,7 +22,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,6 +241,14 @@ class SynchronizerClient:
         self._thread: threading.Thread | None = None
         self._ingesters: list[threading.Thread] = []
         self._sending: set[int] = set()  # seqs on an Ingest call now
+        # Follow calls, one a replica of the owner map (by the address it is reached at), and
+        # the fragments each replica owned when its call began.
+        self._following: dict[str, Any] = {}
+        self._followed: dict[str, frozenset[int]] = {}
+        self._data_only = False  # another process holds the session, and follows
+        # Guards the values held (`_canonical`, `known_versions`): every Follow call's
+        # thread assembles and hands on values.
+        self._values_lock = threading.RLock()
 
     # --- lifecycle ----------------------------------------------------------------------
     def connect(self, stop: threading.Event | None = None) -> session_pb2.Welcome:
@@ -270,6 +280,7 @@ class SynchronizerClient:
     def connect_data(self) -> None:
         """Send updates and fetch values without a session of its own: another process of
         this learner holds the session and hands on what it says (`set_owners`, `settle`)."""
+        self._data_only = True
         self._channel = self._open_channel(self.addresses[0])
         self._start_ingest()
 
@@ -302,6 +313,11 @@ class SynchronizerClient:
         outbox = self._outbox
         if outbox is not None:
             outbox.put(None)
+        with self._lock:
+            following = list(self._following.values())
+        for call in following:
+            if call is not None:
+                call.cancel()
         for thread in (self._thread, *self._ingesters):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=5)
@@ -501,13 +517,17 @@ class SynchronizerClient:
             self._lock.notify_all()
 
     # --- ingest: updates to their fragments' owners -------------------------------------
-    def _ingest_call(self, address: str) -> Any:
-        address = self.routes.get(address, address)
+    def _owner_channel(self, address: str) -> grpc.Channel:
+        """The channel to an owner, by the address it is reached at (under lock)."""
         channel = self._owner_channels.get(address)
         if channel is None:
             channel = self._open_channel(address)
             self._owner_channels[address] = channel
             self._watch(address, channel)
+        return channel
+
+    def _ingest_call(self, address: str) -> Any:
+        channel = self._owner_channel(self.routes.get(address, address))
         return channel.stream_unary(
             f"/{SERVICE}/Ingest",
             request_serializer=counting_serializer(_serialize, self._count_up),
@@ -515,7 +535,9 @@ class SynchronizerClient:
         )
 
     def _open_channel(self, address: str) -> grpc.Channel:
-        options = channel_options(self.max_backoff_s)
+        # A connection of its own (not shared with other clients of this process, as gRPC
+        # shares them by default): per-connection limits count this learner's calls only.
+        options = [*channel_options(self.max_backoff_s), ("grpc.use_local_subchannel_pool", 1)]
         if self.credentials is None:
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, self.credentials, options=options)
@@ -617,6 +639,98 @@ class SynchronizerClient:
                 else:
                     self._finish(ack)
 
+    # --- following: new global fragments from their owners --------------------------------
+    def _owner_addresses(self) -> set[str]:
+        """The replicas of the owner map, by the address each is reached at (under lock)."""
+        return {self.routes.get(o.address, o.address) for o in self.owners.values()}
+
+    def _owned_by(self, address: str) -> frozenset[int]:
+        """The fragments the replica at `address` owns, as the owner map says (under lock)."""
+        return frozenset(
+            p for p, o in self.owners.items() if self.routes.get(o.address, o.address) == address
+        )
+
+    def _follow_owners(self) -> None:
+        """Follow every replica of the owner map; stop following those that left it, and
+        follow again a replica that took fragments over since its call began: it knows
+        only what the learner held then, and would send a fragment it took from there (under
+        lock)."""
+        if self.version_notices or self._data_only or self._closed.is_set():
+            return
+        wanted = self._owner_addresses()
+        for address, call in self._following.items():
+            if call is None:
+                continue
+            if address not in wanted:
+                call.cancel()  # its thread sees the map moved and ends
+            elif not self._owned_by(address) <= self._followed.get(address, frozenset()):
+                call.cancel()  # its thread follows again, from the values held now
+        for address in wanted - set(self._following):
+            self._following[address] = None
+            threading.Thread(
+                target=self._follow, args=(address,), name="atoll-follow", daemon=True
+            ).start()
+
+    def _follow(self, address: str) -> None:
+        """New global values of the fragments `address` owns, for as long as it owns some:
+        followed again (with backoff) when the call breaks."""
+        self._bind_log_context()
+        delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
+        try:
+            while not self._closed.is_set():
+                with self._lock:
+                    if address not in self._owner_addresses():
+                        return
+                    follow = self._owner_channel(address).unary_stream(
+                        f"/{SERVICE}/Follow",
+                        request_serializer=counting_serializer(_serialize, self._count_up),
+                        response_deserializer=counting_parser(
+                            session_pb2.SynchronizerMessage.FromString, self._count_down
+                        ),
+                    )
+                with self._values_lock:
+                    held = {p: v for p, (v, _) in self._canonical.items()}
+                request = synchronizer_pb2.FollowRequest(job=self.job, held=held)
+                responses: Any = follow(request, metadata=self._metadata)
+                with self._lock:
+                    self._following[address] = responses
+                    self._followed[address] = self._owned_by(address)
+                    moved = address not in self._owner_addresses()
+                if moved or self._closed.is_set():
+                    responses.cancel()
+                    continue
+                try:
+                    self._take_fragments(responses)
+                    delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
+                except grpc.RpcError as err:
+                    if status(err) != grpc.StatusCode.CANCELLED:
+                        log.info("follow_broken", address=address, code=str(status(err)))
+                except ValueError as err:  # a garbled value: follow again, from what is held
+                    log.warning("follow_broken", address=address, error=str(err))
+                self._closed.wait(next(delays))
+        finally:
+            with self._lock:
+                self._following.pop(address, None)
+                self._followed.pop(address, None)
+                if not self._closed.is_set():
+                    self._follow_owners()  # the map may have moved back meanwhile
+
+    def _take_fragments(self, responses: Iterable[session_pb2.SynchronizerMessage]) -> None:
+        """Assemble and hand on the global values one Follow call brings."""
+        assembling: dict[int, _Assembly] = {}
+        for message in responses:
+            if message.WhichOneof("kind") != "fragment":
+                continue
+            try:
+                got = self._assemble(assembling, message.fragment)
+            except ValueError as err:
+                log.warning("fragment_dropped", error=str(err))
+                assembling.pop(message.fragment.header.fragment, None)
+                continue
+            if got is not None:
+                self._hold(got)
+                self._deliver(got)
+
     # --- fetching -----------------------------------------------------------------------
     def fetch_state(
         self,
@@ -643,10 +757,11 @@ class SynchronizerClient:
             if self._closed.wait(next(delays)):
                 raise SessionError("the session was closed while fetching the global model")
             self.check()
-        for g in out:
-            self.known_versions[g.fragment] = max(
-                self.known_versions.get(g.fragment, -1), g.version
-            )
+        with self._values_lock:
+            for g in out:
+                self.known_versions[g.fragment] = max(
+                    self.known_versions.get(g.fragment, -1), g.version
+                )
         return out
 
     def _fetch(
@@ -760,7 +875,6 @@ class SynchronizerClient:
         outbox.put(self._hello())
         self._outbox = outbox
         responses = session(self._requests(outbox), metadata=self._metadata)
-        assembling: dict[int, _Assembly] = {}
         try:
             for message in responses:
                 kind = message.WhichOneof("kind")
@@ -771,16 +885,6 @@ class SynchronizerClient:
                         self._finish(message.ack)
                 elif kind == "owners":
                     self._on_owners(message.owners.owners)
-                elif kind == "fragment":
-                    try:
-                        got = self._assemble(assembling, message.fragment)
-                    except ValueError as err:
-                        log.warning("fragment_dropped", error=str(err))
-                        assembling.pop(message.fragment.header.fragment, None)
-                        continue
-                    if got is not None:
-                        self._hold(got)
-                        self._deliver(got)
                 elif kind == "status":
                     self.job_status = message.status
                 elif kind == "version":
@@ -794,6 +898,7 @@ class SynchronizerClient:
     def _on_owners(self, owners: Sequence[session_pb2.FragmentOwner]) -> None:
         with self._lock:
             self.owners = {o.fragment: o for o in owners}
+            self._follow_owners()
             self._lock.notify_all()
 
     def _on_welcome(self, welcome: session_pb2.Welcome, first: bool) -> None:
@@ -859,9 +964,10 @@ class SynchronizerClient:
         return GlobalFragment(p, assembly.version, assembly.values)
 
     def _hold(self, got: GlobalFragment) -> None:
-        held = self._canonical.get(got.fragment)
-        if held is None or got.version > held[0]:
-            self._canonical[got.fragment] = (got.version, got.values)
+        with self._values_lock:
+            held = self._canonical.get(got.fragment)
+            if held is None or got.version > held[0]:
+                self._canonical[got.fragment] = (got.version, got.values)
 
     def _notice(self, fragment: int, version: int) -> None:
         if version > self.known_versions.get(fragment, -1):
@@ -869,10 +975,11 @@ class SynchronizerClient:
             self.notices.put((fragment, version))
 
     def _deliver(self, got: GlobalFragment) -> None:
-        if got.version <= self.known_versions.get(got.fragment, -1):
-            return
-        self.known_versions[got.fragment] = got.version
-        self.fragments.put(got)
+        with self._values_lock:
+            if got.version <= self.known_versions.get(got.fragment, -1):
+                return
+            self.known_versions[got.fragment] = got.version
+            self.fragments.put(got)
 
 
 def _joined(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -98,6 +98,9 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+MAX_FOLLOWS = 2  # Follow calls in flight per caller's connection
+
+
 class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     def __init__(
         self,
@@ -112,7 +115,9 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self.prefix = f"/{service}/"
         self.mtls, self.tokens, self.anonymous = mtls, tokens or {}, anonymous
         self.shared = hashlib.sha256(shared_token.encode()).digest() if shared_token else None
-        self.limits = {"FetchState": max_fetches}  # Ingest: per slot, in its handler
+        # Ingest: per slot, in its handler. A learner follows each replica once (one more
+        # while a broken call ends).
+        self.limits = {"FetchState": max_fetches, "Follow": MAX_FOLLOWS}
         self.in_flight: Counter[tuple[str, str]] = Counter()
 
     # --- who is it --------------------------------------------------------------------

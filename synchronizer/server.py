@@ -181,6 +181,7 @@ async def serve(settings: SynchronizerSettings) -> None:
         asyncio.create_task(_watch_store(store, health_servicer)),
         asyncio.create_task(service.ownership.run_forever()),
         asyncio.create_task(service.sessions.watch_forever()),
+        asyncio.create_task(service.followers.watch_forever()),
         asyncio.create_task(service.flush_stats_forever()),
     ]
     await stop.wait()
@@ -190,6 +191,7 @@ async def serve(settings: SynchronizerSettings) -> None:
     await service.ownership.stop()
     for conn in list(service.sessions.connections.values()):
         conn.outbox.put_nowait(None)
+    service.followers.close()
     await server.stop(DRAIN_SECONDS)
     if probes is not None:
         await probes.stop(0)

@@ -1,5 +1,5 @@
-"""The synchronizer's gRPC service: control sessions, state fetches, and ingest into the
-fragments this replica owns.
+"""The synchronizer's gRPC service: control sessions, state fetches, and ingest into and new
+values from the fragments this replica owns.
 
 A replica keeps nothing that is not in Redis or the tensor store except what it owns while it
 owns it (fragment values and the open rounds' sums), which the next owner rebuilds: the
@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from services import codec as codecs
 from services import telemetry as tm
 from services.config import SynchronizerSettings
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
@@ -21,12 +22,14 @@ from services.layout import FragmentLayout, LeafSpec, fragment_layout
 from services.tape import Tape
 from services.wirecount import counting_parser, counting_serializer, passing_bytes
 from synchronizer.admission import parse_chunk
+from synchronizer.followers import Followers
 from synchronizer.ingest import Ingest
 from synchronizer.owner import FragmentOwner
 from synchronizer.ownership import Ownership
 from synchronizer.session import Sessions, spec_from_json, spec_to_json
 from synchronizer.store import ControlStore, StoreError
 from synchronizer.tensors import TensorStore
+from synchronizer.values import RebuiltValues
 
 SERVICE_NAME = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
 
@@ -51,6 +54,8 @@ class SynchronizerService:
             tape=self.tape,
             layout=lambda: self.layout,
         )
+        # Whole values served (joins, followers too far behind for deltas, shard fetches).
+        rebuilt = RebuiltValues(codecs.by_name(settings.downlink_codec), settings.block_size)
         self.sessions = Sessions(
             settings,
             store,
@@ -59,6 +64,18 @@ class SynchronizerService:
             self.tape,
             lambda: self.layout,
             self.adopt_spec,
+            rebuilt,
+        )
+        self.followers = Followers(
+            settings.job,
+            settings.downlink_codec,
+            settings.block_size,
+            settings.max_chunk_bytes,
+            store,
+            tensors,
+            self.ownership,
+            rebuilt,
+            lambda: self.layout,
         )
         self.ingest = Ingest(
             settings,
@@ -67,7 +84,7 @@ class SynchronizerService:
             lambda: self.layout,
             settings.max_ingest_per_slot,
             settings.parts_timeout_s,
-            self.sessions.downlink.caught_up,
+            self.followers.downlink.caught_up,
         )
         self._bytes = {"up": 0, "down": 0}
 
@@ -128,6 +145,14 @@ class SynchronizerService:
             "Session": grpc.stream_stream_rpc_method_handler(
                 self.sessions.Session,
                 request_deserializer=counting_parser(session_pb2.LearnerMessage.FromString, up),
+                response_serializer=counting_serializer(
+                    session_pb2.SynchronizerMessage.SerializeToString, down
+                ),
+            ),
+            "Follow": grpc.unary_stream_rpc_method_handler(
+                self.followers.Follow,
+                request_deserializer=counting_parser(synchronizer_pb2.FollowRequest.FromString, up),
+                # Chunks come serialized once for every follower: they pass as they are.
                 response_serializer=counting_serializer(
                     passing_bytes(session_pb2.SynchronizerMessage.SerializeToString), down
                 ),

@@ -1,10 +1,10 @@
-"""Learners' control sessions: hello, heartbeats, the owner map, commit notices, new global
-fragments, and the state fetch for (re)joining.
+"""Learners' control sessions: hello, heartbeats, the owner map, commit notices, and the
+state fetch for (re)joining.
 
-Any replica serves any learner's session. It watches the fragments' versions in Redis and
-brings every learner it serves up to date from the tensor store (encoded deltas, or whole
-values for a learner too far behind), and tells each learner which of its updates a commit
-merged.
+Any replica serves any learner's session. It watches the fragments' versions and owners in
+Redis, tells each learner it serves the owner map and which of its updates a commit merged,
+and tells learners of several processes of new versions (they fetch their own ranges). New
+global values themselves come from each fragment's owner (`followers`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 import structlog
@@ -28,7 +27,6 @@ from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
 from services.outage import OutageLog
 from services.tape import Tape
-from services.wire import bytes_field, join_field, segments_header
 from synchronizer import admission, auth, ranges
 from synchronizer.admission import (
     Rejection,
@@ -46,17 +44,6 @@ from synchronizer.values import RebuiltValues, float32_bytes
 log = structlog.get_logger("atoll.synchronizer.session")
 
 OUTBOX_LIMIT = 4096  # messages queued for one learner before it counts as too slow
-# Uploads wait while most of this replica's learners have more than this many bytes of
-# global fragments queued to them: a replica takes updates in no faster than it can hand the
-# values they make back out (each merge's delta goes to every learner). Without it a busy
-# replica reads uploads and leaves the downlink to pile up, until learners train on stale
-# values or their sessions overflow (OUTBOX_LIMIT).
-DOWNLINK_BACKLOG_BYTES = 256 << 20
-DOWNLINK_WAIT_MAX_S = 5.0  # an upload's chunk waits no longer than this
-# A learner whose queue has not moved for this long is not reading (paused, stuck): it holds
-# no upload back (its queue grows until OUTBOX_LIMIT closes its session).
-DOWNLINK_STALLED_S = 2.0
-MAX_DELTA_CHAIN = 8  # deltas sent to catch a learner up before a whole value is cheaper
 WATCH_S = 0.05  # how often the fragments' versions and owners are read
 
 
@@ -119,54 +106,34 @@ def busy(slot: str) -> SessionClosed:
 class Connection:
     learner: str
     incarnation: str
-    # Messages, or messages serialized once for every learner they go to (fragment chunks).
-    outbox: asyncio.Queue[session_pb2.SynchronizerMessage | bytes | SessionClosed | None] = field(
+    outbox: asyncio.Queue[session_pb2.SynchronizerMessage | SessionClosed | None] = field(
         default_factory=asyncio.Queue
     )
-    sent_versions: dict[int, int] = field(default_factory=dict)
+    told_versions: dict[int, int] = field(default_factory=dict)  # notices sent, per fragment
     notified: dict[int, int] = field(default_factory=dict)  # commits told of, per fragment
     notices: bool = False  # told new versions; fetches their values itself (by ranges)
     # The slot's steps toward the job's budget, and when they were last counted (monotonic).
     counted_steps: float = 0.0
     counted_at: float = field(default_factory=time.monotonic)
     rate_bound_told: bool = False  # the log said once that this session's claims ran ahead
-    queued_bytes: int = 0  # serialized fragment chunks in the outbox, not yet sent
-    drained_at: float = field(default_factory=time.monotonic)  # when they last moved
 
     @property
     def prefix(self) -> str:
         return f"{self.learner}/{self.incarnation}/"
 
-    def send(self, message: session_pb2.SynchronizerMessage | bytes) -> None:
+    def send(self, message: session_pb2.SynchronizerMessage) -> None:
         if self.outbox.qsize() > OUTBOX_LIMIT:
             self.outbox.put_nowait(
                 SessionClosed(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "learner reads fragments too slowly; reconnect and fetch the state",
+                    "learner reads its session too slowly; reconnect and fetch the state",
                 )
             )
             return
-        if isinstance(message, bytes):
-            if not self.queued_bytes:
-                self.drained_at = time.monotonic()  # the queue starts moving from now
-            self.queued_bytes += len(message)
         self.outbox.put_nowait(message)
 
 
-def most_behind(
-    queues: list[tuple[int, float]],
-    now: float,
-    mark: int = DOWNLINK_BACKLOG_BYTES,
-    stalled_s: float = DOWNLINK_STALLED_S,
-) -> bool:
-    """Whether most learners are over `mark` bytes behind: the lower median of the bytes
-    queued to each, given as (bytes, when its queue last moved), of those reading (a queue
-    that has not moved for `stalled_s` is a learner not reading: it does not count)."""
-    ordered = sorted(b for b, moved in queues if not b or now - moved < stalled_s)
-    return bool(ordered) and ordered[(len(ordered) - 1) // 2] > mark
-
-
-def _value_layout(
+def value_layout(
     fragment: int, values: bytes | memoryview, chunk_bytes: int
 ) -> tuple[fragment_pb2.PayloadHeader, list[tuple[int, int]]]:
     """A whole float32 value's header as fp32 segments, and each segment's [start, stop)."""
@@ -188,7 +155,7 @@ def value_chunks(
     fragment: int, version: int, values: bytes | memoryview, chunk_bytes: int
 ) -> list[fragment_pb2.GlobalFragmentChunk]:
     """A whole float32 value as fp32 segments (a fetch's answer)."""
-    header, spans = _value_layout(fragment, values, chunk_bytes)
+    header, spans = value_layout(fragment, values, chunk_bytes)
     return [
         fragment_pb2.GlobalFragmentChunk(
             header=header,
@@ -202,109 +169,6 @@ def value_chunks(
     ]
 
 
-# Where a pushed chunk's bytes go: SynchronizerMessage.fragment, GlobalFragmentChunk.data.
-FRAGMENT_FIELD = session_pb2.SynchronizerMessage.DESCRIPTOR.fields_by_name["fragment"].number
-CHUNK_DATA_FIELD = fragment_pb2.GlobalFragmentChunk.DESCRIPTOR.fields_by_name["data"].number
-
-
-def pushed_chunks(
-    header: fragment_pb2.PayloadHeader,
-    version: int,
-    pieces: Iterable[tuple[int, int, codecs.Payload]],
-    **fields: Any,
-) -> list[tuple[int, bytes]]:
-    """Each (value offset, value count, bytes) of a payload as a pushed SynchronizerMessage
-    of `version`, with the chunk's `fields` besides, and the version it brings: serialized
-    with its bytes copied once, where protobuf copies them into the chunk, into the message
-    and into its serialization (a large model's fragment is tens of MB, and every merge's
-    delta is pushed)."""
-    out = []
-    for i, (offset, count, data) in enumerate(pieces):
-        head = fragment_pb2.GlobalFragmentChunk(
-            header=header,
-            version=version,
-            chunk_index=i,
-            value_offset=offset,
-            value_count=count,
-            **fields,
-        ).SerializeToString()
-        parts = join_field(head, CHUNK_DATA_FIELD, data)
-        out.append((version, b"".join(bytes_field(FRAGMENT_FIELD, parts))))
-    return out
-
-
-def delta_messages(
-    fragment: int,
-    version: int,
-    blob: codecs.Payload,
-    codec: codecs.Codec,
-    block_size: int,
-    n: int,
-) -> list[tuple[int, bytes]]:
-    """A stored delta as pushed messages, one a segment (`pushed_chunks`)."""
-    segments = codecs.unpack_segments(blob)
-    header = segments_header(fragment, codec.wire, block_size, n, segments)
-    pieces = ((s.offset, s.count, s.data) for s in segments)
-    return pushed_chunks(header, version, pieces, delta=True, base_version=version - 1)
-
-
-def value_messages(
-    fragment: int, version: int, values: bytes | memoryview, chunk_bytes: int
-) -> list[tuple[int, bytes]]:
-    """A whole float32 value as pushed messages, one a segment (`pushed_chunks`): built from
-    `value_chunks` instead, it was held several times its size at once."""
-    header, spans = _value_layout(fragment, values, chunk_bytes)
-    pieces = ((start, stop - start, values[4 * start : 4 * stop]) for start, stop in spans)
-    return pushed_chunks(header, version, pieces)
-
-
-class Downlink:
-    """How far behind on global fragments a replica's learners are (bytes queued in their
-    sessions' outboxes), and the wait for them to catch up before an upload reads on."""
-
-    def __init__(self, connections: dict[str, Connection]) -> None:
-        self.connections = connections  # the replica's sessions, as they come and go
-        self._moved = asyncio.Event()  # set as fragment chunks leave an outbox
-
-    def sent(self, conn: Connection, nbytes: int) -> None:
-        """A serialized fragment chunk of `nbytes` left `conn`'s outbox for the wire."""
-        conn.queued_bytes -= nbytes
-        conn.drained_at = time.monotonic()
-        self._moved.set()
-
-    def moved(self) -> None:
-        """The queues changed otherwise (a session ended): waiting uploads look again."""
-        self._moved.set()
-
-    async def caught_up(self) -> float:
-        """Wait, at most DOWNLINK_WAIT_MAX_S, until most of this replica's reading learners
-        (`most_behind`: one slow learner alone holds no upload back, one not reading at all
-        does not count) have at most DOWNLINK_BACKLOG_BYTES of fragments queued to them; the
-        seconds waited. An upload's next chunk is read only then (`Ingest`), so HTTP/2 flow
-        control slows the learners' uploads while the replica sends the values their merges
-        made."""
-        began = now = time.monotonic()
-        while True:
-            # Sessions told only of new versions (learners of several processes fetch the
-            # values themselves) queue no fragments: they are not counted as caught up.
-            queues = [
-                (c.queued_bytes, c.drained_at) for c in self.connections.values() if not c.notices
-            ]
-            left = DOWNLINK_WAIT_MAX_S - (now - began)
-            if left <= 0 or not most_behind(queues, now):
-                return now - began
-            # Woken as queues move, or when the next one would count as stalled.
-            stalls = [
-                moved + DOWNLINK_STALLED_S - now
-                for queued, moved in queues
-                if queued and moved + DOWNLINK_STALLED_S > now
-            ]
-            self._moved.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._moved.wait(), min([left, *stalls]))
-            now = time.monotonic()
-
-
 class Sessions:
     def __init__(
         self,
@@ -315,14 +179,14 @@ class Sessions:
         tape: Tape,
         layout: Callable[[], FragmentLayout | None],
         adopt_spec: Callable[[str], None],
+        rebuilt: RebuiltValues,
     ) -> None:
         self.settings, self.store, self.tensors = settings, store, tensors
         self.ownership, self.tape = ownership, tape
         self._layout, self._adopt_spec = layout, adopt_spec
         self.connections: dict[str, Connection] = {}
-        self.downlink = Downlink(self.connections)
-        # Whole values served (joins, learners too far behind for deltas, shard fetches).
-        self.rebuilt = RebuiltValues(codecs.by_name(settings.downlink_codec), settings.block_size)
+        # Whole values served (joins, shard fetches; shared with the followers' pushes).
+        self.rebuilt = rebuilt
         self.owner_map: list[session_pb2.FragmentOwner] = []
         self._greeting: set[str] = set()  # slots whose hello this replica is answering
         self._known_specs: dict[bytes, str] = {}  # spec digest -> the job's spec (JSON)
@@ -336,9 +200,9 @@ class Sessions:
         context: grpc.aio.ServicerContext[
             session_pb2.LearnerMessage, session_pb2.SynchronizerMessage
         ],
-    ) -> AsyncIterator[session_pb2.SynchronizerMessage | bytes]:
-        """A learner's control session; what it yields is serialized by the handler (bytes,
-        serialized once for several learners, pass as they are)."""
+    ) -> AsyncIterator[session_pb2.SynchronizerMessage]:
+        """A learner's control session (new global values come from each fragment's owner,
+        on the learner's Follow calls: `followers`)."""
         try:
             first = await asyncio.wait_for(anext(request_iterator), self.settings.hello_timeout_s)
         except StopAsyncIteration:
@@ -367,8 +231,6 @@ class Sessions:
                 item = await conn.outbox.get()
                 if item is None:
                     break
-                if isinstance(item, bytes):
-                    self.downlink.sent(conn, len(item))
                 if isinstance(item, SessionClosed):
                     await context.abort(item.code, item.details)
                     return
@@ -377,7 +239,6 @@ class Sessions:
             reader.cancel()
             if self.connections.get(key) is conn:
                 del self.connections[key]
-                self.downlink.moved()  # its outbox counts no more: waiting uploads look again
                 # The slot's session ended here: a new one may start at once.
                 with contextlib.suppress(Exception):
                     await self.store.leave(conn.learner, conn.incarnation)
@@ -457,7 +318,7 @@ class Sessions:
         conn = Connection(
             hello.learner_id,
             hello.incarnation,
-            sent_versions=dict(enumerate(versions)),
+            told_versions=dict(enumerate(versions)),
             notified=dict(enumerate(versions)),
             notices=hello.version_notices,
             counted_steps=float(joined.counted_steps),
@@ -629,7 +490,7 @@ class Sessions:
                 continue
             tm.FRAGMENT_VERSION.labels(fragment=str(p)).set(version)
             await self._notify_commits(p, version)
-            await self._push(p, version, layout)
+            self._tell_versions(p, version)
 
     async def _notify_commits(self, fragment: int, version: int) -> None:
         """COMMITTED acks to the learners whose updates the versions each learner has not
@@ -659,70 +520,14 @@ class Sessions:
                         )
             conn.notified[fragment] = version
 
-    async def _push(self, fragment: int, version: int, layout: FragmentLayout) -> None:
-        """Bring every learner this replica serves to the fragment's newest version: the
-        encoded deltas since the version it was last sent, or the whole value."""
-        # Each read only if someone needs it, and serialized once for all: learners share
-        # the bytes (a whole value is the model's size; one copy per learner would not fit).
-        full: list[tuple[int, bytes]] = []
-        deltas: dict[int, list[tuple[int, bytes]] | None] = {}
+    def _tell_versions(self, fragment: int, version: int) -> None:
+        """Tell the sessions that asked for notices (learners of several processes, which
+        fetch their own ranges of each new version) of the fragment's newest version."""
         for conn in list(self.connections.values()):
-            last = conn.sent_versions.get(fragment, -1)
-            if last >= version:
-                continue
-            if conn.notices:
-                conn.sent_versions[fragment] = version
+            if conn.notices and conn.told_versions.get(fragment, -1) < version:
+                conn.told_versions[fragment] = version
                 notice = session_pb2.FragmentVersion(fragment=fragment, version=version)
                 conn.send(session_pb2.SynchronizerMessage(version=notice))
-                continue
-            chunks: list[tuple[int, bytes]] = []
-            if last >= 0 and version - last <= MAX_DELTA_CHAIN:
-                entries = {
-                    int(e["version"]): e
-                    for e in await self.store.log_range(fragment, last, version)
-                }
-                for v in range(last + 1, version + 1):
-                    if v not in deltas:
-                        # Read, parsed and serialized once for every learner (off the
-                        # event loop: a large model's delta is tens of MB). Only this
-                        # task pushes, so no newer push to this fragment runs meanwhile.
-                        deltas[v] = await self._delta(fragment, v, entries.get(v), layout)
-                    serialized = deltas[v]
-                    if serialized is None:  # no longer kept: the whole value instead
-                        chunks = []
-                        break
-                    chunks += serialized
-            if not chunks:
-                full = full or await self._whole_value(fragment)
-                chunks = full
-            conn.sent_versions[fragment] = max(version, chunks[0][0])
-            for _, data in chunks:
-                conn.send(data)
-
-    async def _delta(
-        self, fragment: int, version: int, entry: dict[str, Any] | None, layout: FragmentLayout
-    ) -> list[tuple[int, bytes]] | None:
-        """A version's delta as serialized messages (None: no longer kept)."""
-        if entry is None or not entry.get("delta"):
-            return None
-        try:
-            blob = await self.tensors.get(str(entry["delta"]))
-        except Exception:
-            return None
-        codec = codecs.by_name(self.settings.downlink_codec)
-        n = layout.fragments[fragment].num_elements
-
-        return await asyncio.to_thread(
-            delta_messages, fragment, version, blob, codec, self.settings.block_size, n
-        )
-
-    async def _whole_value(self, fragment: int) -> list[tuple[int, bytes]]:
-        """The fragment's whole current value as serialized messages, for every learner
-        that needs it."""
-        version, value = await self.rebuilt.get(self.store, self.tensors, fragment)
-        return await asyncio.to_thread(  # copies the whole value: off the event loop
-            value_messages, fragment, version, float32_bytes(value), self.settings.max_chunk_bytes
-        )
 
     async def fragment_chunks(
         self, fragment: int, held: int | None = None

@@ -106,6 +106,15 @@ def test_a_replica_killed_mid_run_loses_nothing_and_commits_each_round_once(
     assert clients[0].stats.reconnects >= 1
     assert clients[1].stats.reconnects >= 1
     assert clients[2].stats.reconnects == 0
+    # The learners whose session never broke hold every fragment's last version, the killed
+    # replica's ones too: its fragments' new owner pushed them (they follow every owner).
+    final = {p: support.version(r, p) for p in range(FRAGMENTS)}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(
+        c._canonical.get(p, (-1,))[0] != v for c in clients[2:] for p, v in final.items()
+    ):
+        time.sleep(0.1)
+    assert [{p: c._canonical.get(p, (-1,))[0] for p in final} for c in clients[2:]] == [final] * 2
     for c in clients:
         c.close()
 

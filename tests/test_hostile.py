@@ -1154,6 +1154,11 @@ FETCHES = st.builds(
     fragments=st.lists(st.one_of(st.integers(0, 3), U32), max_size=8),
     held=st.dictionaries(st.one_of(st.integers(0, 3), U32), U64, max_size=4),
 )
+FOLLOWS = st.builds(
+    synchronizer_pb2.FollowRequest,
+    job=st.sampled_from(["default", "other", ""]),
+    held=st.dictionaries(st.one_of(st.integers(0, 3), U32), U64, max_size=4),
+)
 CREDENTIALS = st.sampled_from([bearer("l1"), bearer("evil"), (), (("authorization", "Bearer x"),)])
 BROKEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS}
 
@@ -1162,7 +1167,8 @@ BROKEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DAT
 def test_fuzzed_request_messages_never_break_the_service(
     job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
 ) -> None:
-    """Thousands of fuzzed Session, Ingest and FetchState messages: each is answered with a
+    """Thousands of fuzzed Session, Ingest, Follow and FetchState messages: each is answered
+    with a
     status a learner can act on (never an unhandled error), and afterwards the service
     serves, the legitimate learner merges and every global value is finite."""
     sync, c, r = job
@@ -1178,6 +1184,11 @@ def test_fuzzed_request_messages_never_break_the_service(
         request_serializer=synchronizer_pb2.FetchStateRequest.SerializeToString,
         response_deserializer=fragment_pb2.GlobalFragmentChunk.FromString,
     )
+    follow_call = channel.unary_stream(
+        SERVICE + "Follow",
+        request_serializer=synchronizer_pb2.FollowRequest.SerializeToString,
+        response_deserializer=session_pb2.SynchronizerMessage.FromString,
+    )
     sent = [0]
 
     def answered(action: Any) -> None:
@@ -1187,6 +1198,11 @@ def test_fuzzed_request_messages_never_break_the_service(
         except grpc.RpcError as err:
             code, details = err.code(), err.details() or ""
         assert code not in BROKEN, (code, details)
+
+    def follow(request: synchronizer_pb2.FollowRequest, metadata: Any) -> None:
+        # A Follow taken streams for as long as the learner reads: it is read for a moment
+        # (and ends DEADLINE_EXCEEDED); a refusal comes at once.
+        answered(lambda: list(follow_call(request, metadata=metadata, timeout=0.2)))
 
     @settings(
         max_examples=FUZZ_MESSAGES // 2,
@@ -1200,6 +1216,7 @@ def test_fuzzed_request_messages_never_break_the_service(
             update_chunks().map(lambda m: ("ingest", m)),
             session_messages().map(lambda m: ("session", m)),
             FETCHES.map(lambda m: ("fetch", [m])),
+            FOLLOWS.map(lambda m: ("follow", [m])),
         ),
         CREDENTIALS,
     )
@@ -1210,6 +1227,8 @@ def test_fuzzed_request_messages_never_break_the_service(
             answered(lambda: ingest_call(iter(messages), metadata=metadata, timeout=30))
         elif kind == "fetch":
             answered(lambda: list(fetch_call(messages[0], metadata=metadata, timeout=30)))
+        elif kind == "follow":
+            follow(messages[0], metadata)
         else:
             answered(lambda: list(session(iter(messages), metadata=metadata, timeout=30)))
 

@@ -21,7 +21,7 @@ from cluster.processes import synchronizer_child
 from cluster.redis_server import RedisServer
 from learner.client import SessionError, SynchronizerClient
 from services import codec as codecs
-from services.gen.atoll.v1 import fragment_pb2, session_pb2
+from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from synchronizer import inspect
 from synchronizer.store import open_store
 from synchronizer.tensors import version_of
@@ -394,6 +394,83 @@ def test_stale_updates_are_refused(
         assert "fetch the fragment" in ack.reason
         assert support.version(r, 0) == 3
     finally:
+        c.close()
+
+
+def test_a_follower_gets_the_deltas_since_the_version_it_holds_and_bad_follows_are_refused(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    sync = spawn_synchronizer("--fragments", "2", "--grace-seconds", "0")
+    c = support.client([sync.address], "l0")
+    r = redis.Redis(port=redis_server.port)
+    channel = grpc.insecure_channel(sync.address)
+    follow = channel.unary_stream(
+        "/atoll.v1.Synchronizer/Follow",
+        request_serializer=synchronizer_pb2.FollowRequest.SerializeToString,
+        response_deserializer=session_pb2.SynchronizerMessage.FromString,
+    )
+    try:
+        support.initialize(c, 2)
+        support.commit_versions(c, r, 0, 3)
+
+        def first_chunks(
+            held: dict[int, int], newest: int
+        ) -> list[fragment_pb2.GlobalFragmentChunk]:
+            """The first chunk of each value pushed, until fragment 0's `newest` one."""
+            call = follow(synchronizer_pb2.FollowRequest(job="default", held=held), timeout=10)
+            out = []
+            for message in call:
+                chunk = message.fragment
+                if chunk.chunk_index == 0:
+                    out.append(chunk)
+                if chunk.header.fragment == 0 and chunk.version == newest:
+                    break
+            call.cancel()
+            return out
+
+        # One holding version 1 gets the deltas onto it, in order; nothing of fragment 1,
+        # which did not move since.
+        got = first_chunks({0: 1, 1: 0}, 3)
+        assert [(g.header.fragment, g.version, g.delta, g.base_version) for g in got] == [
+            (0, 2, True, 1),
+            (0, 3, True, 2),
+        ]
+        # One holding a version the job never made, or nothing of fragment 0, is followed
+        # from the current version on: nothing comes until the next commit, a delta onto it.
+        for held in ({0: 99}, {}):
+            call = follow(synchronizer_pb2.FollowRequest(job="default", held=held), timeout=10)
+            time.sleep(0.5)  # the call is followed before the commit
+            now = support.version(r, 0)
+            c.wait_ack(support.send_delta(c, 0, 2, now, seed=now), 10, received=True)
+            first = next(iter(call)).fragment
+            assert (first.header.fragment, first.version, first.delta, first.base_version) == (
+                0,
+                now + 1,
+                True,
+                now,
+            )
+            call.cancel()
+        # Bad follows are refused with what to do, and the replica serves on.
+        refusals = [
+            (
+                synchronizer_pb2.FollowRequest(job="other"),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "serves job 'default', not 'other'",
+            ),
+            (
+                synchronizer_pb2.FollowRequest(job="default", held={7: 1}),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "fragments [7] do not exist",
+            ),
+        ]
+        for request, code, words in refusals:
+            with pytest.raises(grpc.RpcError) as refused:
+                next(iter(follow(request, timeout=10)))
+            assert refused.value.code() == code
+            assert words in (refused.value.details() or "")
+        assert [g.version for g in first_chunks({0: 3, 1: 0}, 5)] == [4, 5]
+    finally:
+        channel.close()
         c.close()
 
 

@@ -105,7 +105,7 @@ class Hello(_message.Message):
     version_notices: _builtins.bool
     """A learner of several processes: each process fetches its own value ranges of each new
     version (FetchState with ranges), so this session is told new versions (FragmentVersion)
-    instead of being sent their values.
+    and the learner follows no owner (Follow) for their values.
     """
     @_builtins.property
     def params(self) -> _containers.RepeatedCompositeFieldContainer[_fragment_pb2.TensorSpec]:

@@ -155,3 +155,55 @@ class ValueRanges(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ValueRanges: _TypeAlias = ValueRanges  # noqa: Y015
+
+@_typing.final
+class FollowRequest(_message.Message):
+    """A learner starts following a replica's fragments: new global values come to it from the
+    replica that owns each fragment, as each commits.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class HeldEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    JOB_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    @_builtins.property
+    def held(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]:
+        """Fragment -> the version of its global value the learner holds, exactly as committed (a
+        newer one comes as the deltas since, or whole when it is too far behind). A fragment
+        absent is followed from its current version on: the learner fetches that one itself.
+        """
+
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        held: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held", "job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FollowRequest: _TypeAlias = FollowRequest  # noqa: Y015

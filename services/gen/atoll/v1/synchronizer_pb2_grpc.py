@@ -46,6 +46,11 @@ class SynchronizerStub:
                 request_serializer=atoll_dot_v1_dot_session__pb2.UpdateChunk.SerializeToString,
                 response_deserializer=atoll_dot_v1_dot_session__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Follow = channel.unary_stream(
+                '/atoll.v1.Synchronizer/Follow',
+                request_serializer=atoll_dot_v1_dot_synchronizer__pb2.FollowRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_session__pb2.SynchronizerMessage.FromString,
+                _registered_method=True)
         self.FetchState = channel.unary_stream(
                 '/atoll.v1.Synchronizer/FetchState',
                 request_serializer=atoll_dot_v1_dot_synchronizer__pb2.FetchStateRequest.SerializeToString,
@@ -57,8 +62,8 @@ class SynchronizerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Session(self, request_iterator, context):
-        """One long-lived stream per learner: hello, heartbeats and updates up; welcome, acks
-        and new global fragments down.
+        """One long-lived stream per learner: hello and heartbeats up; welcome, acks, commit
+        notices and the owner map down.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,6 +73,15 @@ class SynchronizerServicer:
         """One update of one fragment, chunk by chunk, to the replica that owns the fragment;
         answered RECEIVED (summed into the open round), DUPLICATE or REJECTED. FAILED_PRECONDITION
         with "not the owner" means the owner map moved: look it up again and resend.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Follow(self, request, context):
+        """The new global values of the fragments this replica owns, as they commit (fragment
+        messages only): a learner follows every replica of its owner map, so each fragment's
+        values come straight from its owner, the way its updates go.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +106,11 @@ def add_SynchronizerServicer_to_server(servicer, server):
                     servicer.Ingest,
                     request_deserializer=atoll_dot_v1_dot_session__pb2.UpdateChunk.FromString,
                     response_serializer=atoll_dot_v1_dot_session__pb2.Ack.SerializeToString,
+            ),
+            'Follow': grpc.unary_stream_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=atoll_dot_v1_dot_synchronizer__pb2.FollowRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_session__pb2.SynchronizerMessage.SerializeToString,
             ),
             'FetchState': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchState,
@@ -153,6 +172,33 @@ class Synchronizer:
             '/atoll.v1.Synchronizer/Ingest',
             atoll_dot_v1_dot_session__pb2.UpdateChunk.SerializeToString,
             atoll_dot_v1_dot_session__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/atoll.v1.Synchronizer/Follow',
+            atoll_dot_v1_dot_synchronizer__pb2.FollowRequest.SerializeToString,
+            atoll_dot_v1_dot_session__pb2.SynchronizerMessage.FromString,
             options,
             channel_credentials,
             insecure,

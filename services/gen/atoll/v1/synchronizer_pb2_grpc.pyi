@@ -34,13 +34,18 @@ class SynchronizerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> SynchronizerAsyncStub: ...
     Session: _grpc.StreamStreamMultiCallable[_session_pb2.LearnerMessage, _session_pb2.SynchronizerMessage]
-    """One long-lived stream per learner: hello, heartbeats and updates up; welcome, acks
-    and new global fragments down.
+    """One long-lived stream per learner: hello and heartbeats up; welcome, acks, commit
+    notices and the owner map down.
     """
     Ingest: _grpc.StreamUnaryMultiCallable[_session_pb2.UpdateChunk, _session_pb2.Ack]
     """One update of one fragment, chunk by chunk, to the replica that owns the fragment;
     answered RECEIVED (summed into the open round), DUPLICATE or REJECTED. FAILED_PRECONDITION
     with "not the owner" means the owner map moved: look it up again and resend.
+    """
+    Follow: _grpc.UnaryStreamMultiCallable[_synchronizer_pb2.FollowRequest, _session_pb2.SynchronizerMessage]
+    """The new global values of the fragments this replica owns, as they commit (fragment
+    messages only): a learner follows every replica of its owner map, so each fragment's
+    values come straight from its owner, the way its updates go.
     """
     FetchState: _grpc.UnaryStreamMultiCallable[_synchronizer_pb2.FetchStateRequest, _fragment_pb2.GlobalFragmentChunk]
     """The current global value of the requested fragments, for (re)joining."""
@@ -49,13 +54,18 @@ class SynchronizerStub:
 class SynchronizerAsyncStub(SynchronizerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Session: _aio.StreamStreamMultiCallable[_session_pb2.LearnerMessage, _session_pb2.SynchronizerMessage]  # type: ignore[assignment]
-    """One long-lived stream per learner: hello, heartbeats and updates up; welcome, acks
-    and new global fragments down.
+    """One long-lived stream per learner: hello and heartbeats up; welcome, acks, commit
+    notices and the owner map down.
     """
     Ingest: _aio.StreamUnaryMultiCallable[_session_pb2.UpdateChunk, _session_pb2.Ack]  # type: ignore[assignment]
     """One update of one fragment, chunk by chunk, to the replica that owns the fragment;
     answered RECEIVED (summed into the open round), DUPLICATE or REJECTED. FAILED_PRECONDITION
     with "not the owner" means the owner map moved: look it up again and resend.
+    """
+    Follow: _aio.UnaryStreamMultiCallable[_synchronizer_pb2.FollowRequest, _session_pb2.SynchronizerMessage]  # type: ignore[assignment]
+    """The new global values of the fragments this replica owns, as they commit (fragment
+    messages only): a learner follows every replica of its owner map, so each fragment's
+    values come straight from its owner, the way its updates go.
     """
     FetchState: _aio.UnaryStreamMultiCallable[_synchronizer_pb2.FetchStateRequest, _fragment_pb2.GlobalFragmentChunk]  # type: ignore[assignment]
     """The current global value of the requested fragments, for (re)joining."""
@@ -67,8 +77,8 @@ class SynchronizerServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_session_pb2.LearnerMessage],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_session_pb2.SynchronizerMessage], _abc.AsyncIterator[_session_pb2.SynchronizerMessage]]:
-        """One long-lived stream per learner: hello, heartbeats and updates up; welcome, acks
-        and new global fragments down.
+        """One long-lived stream per learner: hello and heartbeats up; welcome, acks, commit
+        notices and the owner map down.
         """
 
     @_abc_1.abstractmethod
@@ -80,6 +90,17 @@ class SynchronizerServicer(metaclass=_abc_1.ABCMeta):
         """One update of one fragment, chunk by chunk, to the replica that owns the fragment;
         answered RECEIVED (summed into the open round), DUPLICATE or REJECTED. FAILED_PRECONDITION
         with "not the owner" means the owner map moved: look it up again and resend.
+        """
+
+    @_abc_1.abstractmethod
+    def Follow(
+        self,
+        request: _synchronizer_pb2.FollowRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_session_pb2.SynchronizerMessage], _abc.AsyncIterator[_session_pb2.SynchronizerMessage]]:
+        """The new global values of the fragments this replica owns, as they commit (fragment
+        messages only): a learner follows every replica of its owner map, so each fragment's
+        values come straight from its owner, the way its updates go.
         """
 
     @_abc_1.abstractmethod

@@ -1,4 +1,5 @@
-"""Unit tests of the session's rules: whom uploads wait for, and the wait itself."""
+"""Unit tests of the followers' rules: whom uploads wait for, the wait itself, and the
+pushed messages."""
 
 import asyncio
 import time
@@ -7,12 +8,12 @@ import numpy as np
 import pytest
 
 from services.gen.atoll.v1 import session_pb2
-from synchronizer import session
-from synchronizer.session import (
+from synchronizer import followers, session
+from synchronizer.followers import (
     DOWNLINK_BACKLOG_BYTES,
     DOWNLINK_STALLED_S,
-    Connection,
     Downlink,
+    Follower,
     most_behind,
 )
 
@@ -38,10 +39,10 @@ def test_uploads_wait_only_while_most_reading_learners_are_behind_on_the_downlin
     assert behind(200, 300, stalled=(0,))
 
 
-def _connection(name: str, queued: int, moved_ago: float = 0.0) -> Connection:
-    conn = Connection(name, "i")
-    conn.queued_bytes, conn.drained_at = queued, time.monotonic() - moved_ago
-    return conn
+def _follower(queued: int, moved_ago: float = 0.0) -> Follower:
+    follower = Follower()
+    follower.queued_bytes, follower.drained_at = queued, time.monotonic() - moved_ago
+    return follower
 
 
 BEHIND = DOWNLINK_BACKLOG_BYTES + 1
@@ -49,10 +50,10 @@ BEHIND = DOWNLINK_BACKLOG_BYTES + 1
 
 def test_an_upload_waits_until_the_learners_queues_drain_and_is_woken_as_they_do() -> None:
     async def run() -> tuple[float, float]:
-        a, b = _connection("a", BEHIND), _connection("b", BEHIND)
-        downlink = Downlink({"a": a, "b": b, "c": _connection("c", BEHIND)})
+        a, b = _follower(BEHIND), _follower(BEHIND)
+        downlink = Downlink({0: a, 1: b, 2: _follower(BEHIND)})
 
-        async def drain() -> None:  # the sessions send what is queued to their learners
+        async def drain() -> None:  # the streams send what is queued to their learners
             await asyncio.sleep(0.3)
             downlink.sent(a, BEHIND)
             await asyncio.sleep(0.3)
@@ -68,30 +69,10 @@ def test_an_upload_waits_until_the_learners_queues_drain_and_is_woken_as_they_do
     assert again == 0.0  # caught up: no wait
 
 
-def test_sessions_told_only_of_versions_do_not_count_as_caught_up() -> None:
-    async def run() -> float:
-        notices = [_connection(f"n{i}", 0) for i in range(3)]
-        for conn in notices:
-            conn.notices = True  # learners of several processes: they fetch the values
-        a = _connection("a", BEHIND)
-        downlink = Downlink({c.learner: c for c in [*notices, a]})
-
-        async def drain() -> None:
-            await asyncio.sleep(0.3)
-            downlink.sent(a, BEHIND)
-
-        task = asyncio.create_task(drain())
-        waited = await downlink.caught_up()
-        await task
-        return waited
-
-    assert 0.3 <= asyncio.run(run()) < 1.5
-
-
 def test_a_learner_that_stops_reading_holds_uploads_back_only_until_it_counts_as_stalled() -> None:
     async def run() -> float:
         # Its queue last moved 1.5 s ago: not reading, once DOWNLINK_STALLED_S have passed.
-        downlink = Downlink({"a": _connection("a", BEHIND, moved_ago=DOWNLINK_STALLED_S - 0.5)})
+        downlink = Downlink({0: _follower(BEHIND, moved_ago=DOWNLINK_STALLED_S - 0.5)})
         return await downlink.caught_up()
 
     waited = asyncio.run(run())
@@ -101,11 +82,11 @@ def test_a_learner_that_stops_reading_holds_uploads_back_only_until_it_counts_as
 def test_an_upload_waits_at_most_the_cap_for_learners_that_read_but_stay_behind(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(session, "DOWNLINK_WAIT_MAX_S", 0.5)
+    monkeypatch.setattr(followers, "DOWNLINK_WAIT_MAX_S", 0.5)
 
     async def run() -> float:
-        a = _connection("a", 10 * BEHIND)
-        downlink = Downlink({"a": a})
+        a = _follower(10 * BEHIND)
+        downlink = Downlink({0: a})
 
         async def trickle() -> None:  # reading, a little at a time: never caught up
             while True:
@@ -127,7 +108,7 @@ def test_a_whole_value_is_built_as_protobuf_would_serialize_it(n: int, chunk_byt
     """The whole-value push copies each segment once; its messages parse as the messages
     protobuf builds from `value_chunks` (a fetch's answer) do."""
     values = np.arange(n, dtype="<f4").view(np.uint8).data
-    built = session.value_messages(3, 7, values, chunk_bytes)
+    built = followers.value_messages(3, 7, values, chunk_bytes)
     chunks = session.value_chunks(3, 7, values, chunk_bytes)
     assert [v for v, _ in built] == [7] * len(chunks)
     for (_, data), chunk in zip(built, chunks, strict=True):

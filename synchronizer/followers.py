@@ -1,0 +1,354 @@
+"""New global values, from each fragment's owner to the learners that follow it.
+
+A learner follows every replica of its owner map (a Follow call each). A replica watches the
+versions of the fragments it owns and brings every follower up to date from the tensor
+store: the encoded deltas since the version the follower holds, or the whole value for one
+too far behind. So a fragment's values come back the way its updates go, straight from its
+owner: each replica reads and frames only its own fragments' deltas, and a learner takes
+them in over as many streams as there are replicas.
+
+How far behind the followers are (bytes queued to them) holds uploads back (`Downlink`): a
+replica takes updates in no faster than it hands the values they make back out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from services import codec as codecs
+from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
+from services.layout import FragmentLayout
+from services.outage import OutageLog
+from services.wire import bytes_field, join_field, segments_header
+from synchronizer import admission
+from synchronizer.ownership import Ownership
+from synchronizer.session import OUTBOX_LIMIT, WATCH_S, SessionClosed, value_layout
+from synchronizer.store import ControlStore
+from synchronizer.tensors import TensorStore
+from synchronizer.values import RebuiltValues, float32_bytes
+
+log = structlog.get_logger("atoll.synchronizer.followers")
+
+# Uploads wait while most of this replica's followers have more than this many bytes of
+# global fragments queued to them: a replica takes updates in no faster than it can hand the
+# values they make back out (each merge's delta goes to every learner). Without it a busy
+# replica reads uploads and leaves the downlink to pile up, until learners train on stale
+# values or their streams overflow (OUTBOX_LIMIT).
+DOWNLINK_BACKLOG_BYTES = 256 << 20
+DOWNLINK_WAIT_MAX_S = 5.0  # an upload's chunk waits no longer than this
+# A follower whose queue has not moved for this long is not reading (paused, stuck): it holds
+# no upload back (its queue grows until OUTBOX_LIMIT ends its stream).
+DOWNLINK_STALLED_S = 2.0
+MAX_DELTA_CHAIN = 8  # deltas sent to catch a learner up before a whole value is cheaper
+
+
+@dataclass
+class Follower:
+    """One Follow call: the serialized chunks queued to it, and what it was sent."""
+
+    sent_versions: dict[int, int] = field(default_factory=dict)
+    outbox: asyncio.Queue[bytes | SessionClosed | None] = field(default_factory=asyncio.Queue)
+    queued_bytes: int = 0  # serialized fragment chunks in the outbox, not yet sent
+    drained_at: float = field(default_factory=time.monotonic)  # when they last moved
+
+    def send(self, message: bytes) -> None:
+        if self.outbox.qsize() > OUTBOX_LIMIT:
+            self.outbox.put_nowait(
+                SessionClosed(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "learner reads fragments too slowly; follow again and fetch the state",
+                )
+            )
+            return
+        if not self.queued_bytes:
+            self.drained_at = time.monotonic()  # the queue starts moving from now
+        self.queued_bytes += len(message)
+        self.outbox.put_nowait(message)
+
+
+def most_behind(
+    queues: list[tuple[int, float]],
+    now: float,
+    mark: int = DOWNLINK_BACKLOG_BYTES,
+    stalled_s: float = DOWNLINK_STALLED_S,
+) -> bool:
+    """Whether most followers are over `mark` bytes behind: the lower median of the bytes
+    queued to each, given as (bytes, when its queue last moved), of those reading (a queue
+    that has not moved for `stalled_s` is a learner not reading: it does not count)."""
+    ordered = sorted(b for b, moved in queues if not b or now - moved < stalled_s)
+    return bool(ordered) and ordered[(len(ordered) - 1) // 2] > mark
+
+
+class Downlink:
+    """How far behind on global fragments a replica's followers are (bytes queued to them),
+    and the wait for them to catch up before an upload reads on."""
+
+    def __init__(self, followers: dict[int, Follower]) -> None:
+        self.followers = followers  # the replica's Follow calls, as they come and go
+        self._moved = asyncio.Event()  # set as fragment chunks leave an outbox
+
+    def sent(self, follower: Follower, nbytes: int) -> None:
+        """A serialized fragment chunk of `nbytes` left `follower`'s outbox for the wire."""
+        follower.queued_bytes -= nbytes
+        follower.drained_at = time.monotonic()
+        self._moved.set()
+
+    def moved(self) -> None:
+        """The queues changed otherwise (a follower left): waiting uploads look again."""
+        self._moved.set()
+
+    async def caught_up(self) -> float:
+        """Wait, at most DOWNLINK_WAIT_MAX_S, until most of this replica's reading followers
+        (`most_behind`: one slow learner alone holds no upload back, one not reading at all
+        does not count) have at most DOWNLINK_BACKLOG_BYTES of fragments queued to them; the
+        seconds waited. An upload's next chunk is read only then (`Ingest`), so HTTP/2 flow
+        control slows the learners' uploads while the replica sends the values their merges
+        made."""
+        began = now = time.monotonic()
+        while True:
+            queues = [(f.queued_bytes, f.drained_at) for f in self.followers.values()]
+            left = DOWNLINK_WAIT_MAX_S - (now - began)
+            if left <= 0 or not most_behind(queues, now):
+                return now - began
+            # Woken as queues move, or when the next one would count as stalled.
+            stalls = [
+                moved + DOWNLINK_STALLED_S - now
+                for queued, moved in queues
+                if queued and moved + DOWNLINK_STALLED_S > now
+            ]
+            self._moved.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._moved.wait(), min([left, *stalls]))
+            now = time.monotonic()
+
+
+# Where a pushed chunk's bytes go: SynchronizerMessage.fragment, GlobalFragmentChunk.data.
+FRAGMENT_FIELD = session_pb2.SynchronizerMessage.DESCRIPTOR.fields_by_name["fragment"].number
+CHUNK_DATA_FIELD = fragment_pb2.GlobalFragmentChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def pushed_chunks(
+    header: fragment_pb2.PayloadHeader,
+    version: int,
+    pieces: Iterable[tuple[int, int, codecs.Payload]],
+    **fields: Any,
+) -> list[tuple[int, bytes]]:
+    """Each (value offset, value count, bytes) of a payload as a pushed SynchronizerMessage
+    of `version`, with the chunk's `fields` besides, and the version it brings: serialized
+    with its bytes copied once, where protobuf copies them into the chunk, into the message
+    and into its serialization (a large model's fragment is tens of MB, and every merge's
+    delta is pushed)."""
+    out = []
+    for i, (offset, count, data) in enumerate(pieces):
+        head = fragment_pb2.GlobalFragmentChunk(
+            header=header,
+            version=version,
+            chunk_index=i,
+            value_offset=offset,
+            value_count=count,
+            **fields,
+        ).SerializeToString()
+        parts = join_field(head, CHUNK_DATA_FIELD, data)
+        out.append((version, b"".join(bytes_field(FRAGMENT_FIELD, parts))))
+    return out
+
+
+def delta_messages(
+    fragment: int,
+    version: int,
+    blob: codecs.Payload,
+    codec: codecs.Codec,
+    block_size: int,
+    n: int,
+) -> list[tuple[int, bytes]]:
+    """A stored delta as pushed messages, one a segment (`pushed_chunks`)."""
+    segments = codecs.unpack_segments(blob)
+    header = segments_header(fragment, codec.wire, block_size, n, segments)
+    pieces = ((s.offset, s.count, s.data) for s in segments)
+    return pushed_chunks(header, version, pieces, delta=True, base_version=version - 1)
+
+
+def value_messages(
+    fragment: int, version: int, values: bytes | memoryview, chunk_bytes: int
+) -> list[tuple[int, bytes]]:
+    """A whole float32 value as pushed messages, one a segment (`pushed_chunks`): built from
+    `value_chunks` instead, it was held several times its size at once."""
+    header, spans = value_layout(fragment, values, chunk_bytes)
+    pieces = ((start, stop - start, values[4 * start : 4 * stop]) for start, stop in spans)
+    return pushed_chunks(header, version, pieces)
+
+
+class Followers:
+    """The learners following this replica, and the new values of what it owns, to them."""
+
+    def __init__(
+        self,
+        job: str,
+        downlink_codec: str,
+        block_size: int,
+        max_chunk_bytes: int,
+        store: ControlStore,
+        tensors: TensorStore,
+        ownership: Ownership,
+        rebuilt: RebuiltValues,
+        layout: Callable[[], FragmentLayout | None],
+    ) -> None:
+        self.job, self.codec = job, codecs.by_name(downlink_codec)
+        self.block_size, self.max_chunk_bytes = block_size, max_chunk_bytes
+        self.store, self.tensors, self.ownership = store, tensors, ownership
+        self.rebuilt, self._layout = rebuilt, layout
+        self.followers: dict[int, Follower] = {}
+        self.downlink = Downlink(self.followers)
+        self._ids = itertools.count()
+
+    async def Follow(
+        self,
+        request: synchronizer_pb2.FollowRequest,
+        context: grpc.aio.ServicerContext[
+            synchronizer_pb2.FollowRequest, session_pb2.SynchronizerMessage
+        ],
+    ) -> AsyncIterator[bytes]:
+        """A learner's stream of new values of the fragments this replica owns (serialized
+        once for every follower they go to: the handler passes bytes as they are)."""
+        if request.job != self.job:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this synchronizer serves job {self.job!r}, not "
+                f"{request.job[: admission.MAX_NAME_CHARS]!r}",
+            )
+        layout = self._layout()
+        if layout is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the job has no global parameters yet; a learner must join first (retrying)",
+            )
+        assert layout is not None
+        fragments = layout.num_fragments
+        bad = sorted(p for p in request.held if p >= fragments)[:8]
+        if bad:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"fragments {bad} do not exist; this job has 0..{fragments - 1}",
+            )
+        # A fragment is followed from the version held, or from its current version (the
+        # learner fetches that itself). A held version past the current one is none the job
+        # made: it is followed from the current one too.
+        current = [v or 0 for v in await self.store.versions(fragments)]
+        sent = {
+            p: int(request.held[p]) if request.held.get(p, current[p] + 1) <= current[p] else v
+            for p, v in enumerate(current)
+        }
+        follower = Follower(sent_versions=sent)
+        key = next(self._ids)
+        self.followers[key] = follower
+        try:
+            while True:
+                item = await follower.outbox.get()
+                if item is None:
+                    return
+                if isinstance(item, SessionClosed):
+                    await context.abort(item.code, item.details)
+                    return
+                self.downlink.sent(follower, len(item))
+                yield item
+        finally:
+            del self.followers[key]
+            self.downlink.moved()  # its outbox counts no more: waiting uploads look again
+
+    def close(self) -> None:
+        """End every Follow call (the replica drains)."""
+        for follower in self.followers.values():
+            follower.outbox.put_nowait(None)
+
+    # --- keeping followers up to date -----------------------------------------------------
+    async def watch_forever(self) -> None:
+        """Follow the versions of the fragments this replica owns; bring followers up."""
+        outage = OutageLog(log, "follow_watch_interrupted", "follow_watch_resumed")
+        while True:
+            try:
+                await self.watch()
+                outage.succeeded()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # Redis or the tensor store away: keep trying
+                outage.failed(err)
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(WATCH_S)
+
+    async def watch(self) -> None:
+        layout = self._layout()
+        owned = sorted(self.ownership.owned)
+        if layout is None or not owned or not self.followers:
+            return
+        versions = await self.store.versions(layout.num_fragments)
+        for p in owned:
+            version = versions[p]
+            if version is not None:
+                await self._push(p, version, layout)
+
+    async def _push(self, fragment: int, version: int, layout: FragmentLayout) -> None:
+        """Bring every follower to the fragment's newest version: the encoded deltas since
+        the version it was last sent, or the whole value."""
+        # Each read only if someone needs it, and serialized once for all: followers share
+        # the bytes (a whole value is the model's size; one copy per learner would not fit).
+        full: list[tuple[int, bytes]] = []
+        deltas: dict[int, list[tuple[int, bytes]] | None] = {}
+        for follower in list(self.followers.values()):
+            last = follower.sent_versions.get(fragment, -1)
+            if last >= version:
+                continue
+            chunks: list[tuple[int, bytes]] = []
+            if last >= 0 and version - last <= MAX_DELTA_CHAIN:
+                entries = {
+                    int(e["version"]): e
+                    for e in await self.store.log_range(fragment, last, version)
+                }
+                for v in range(last + 1, version + 1):
+                    if v not in deltas:
+                        # Read, parsed and serialized once for every follower (off the
+                        # event loop: a large model's delta is tens of MB). Only this
+                        # task pushes, so no newer push to this fragment runs meanwhile.
+                        deltas[v] = await self._delta(fragment, v, entries.get(v), layout)
+                    serialized = deltas[v]
+                    if serialized is None:  # no longer kept: the whole value instead
+                        chunks = []
+                        break
+                    chunks += serialized
+            if not chunks:
+                full = full or await self._whole_value(fragment)
+                chunks = full
+            follower.sent_versions[fragment] = max(version, chunks[0][0])
+            for _, data in chunks:
+                follower.send(data)
+
+    async def _delta(
+        self, fragment: int, version: int, entry: dict[str, Any] | None, layout: FragmentLayout
+    ) -> list[tuple[int, bytes]] | None:
+        """A version's delta as serialized messages (None: no longer kept)."""
+        if entry is None or not entry.get("delta"):
+            return None
+        try:
+            blob = await self.tensors.get(str(entry["delta"]))
+        except Exception:
+            return None
+        n = layout.fragments[fragment].num_elements
+        return await asyncio.to_thread(
+            delta_messages, fragment, version, blob, self.codec, self.block_size, n
+        )
+
+    async def _whole_value(self, fragment: int) -> list[tuple[int, bytes]]:
+        """The fragment's whole current value as serialized messages, for every follower
+        that needs it."""
+        version, value = await self.rebuilt.get(self.store, self.tensors, fragment)
+        return await asyncio.to_thread(  # copies the whole value: off the event loop
+            value_messages, fragment, version, float32_bytes(value), self.max_chunk_bytes
+        )
