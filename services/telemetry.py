@@ -98,6 +98,11 @@ _S = SYNCHRONIZER
 LEARNERS_CONNECTED = Gauge(
     "atoll_learners_connected", "Learner sessions open on this synchronizer replica", registry=_S
 )
+FOLLOWERS = Gauge(
+    "atoll_followers",
+    "Follow calls open on this synchronizer replica (learners taking its fragments' values)",
+    registry=_S,
+)
 UPDATES_ACCEPTED = Counter(
     "atoll_updates_accepted_total", "Outer-gradient updates accepted", registry=_S
 )

@@ -25,6 +25,7 @@ import grpc
 import structlog
 
 from services import codec as codecs
+from services import telemetry as tm
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout
 from services.outage import OutageLog
@@ -250,6 +251,7 @@ class Followers:
         follower = Follower(sent_versions=sent)
         key = next(self._ids)
         self.followers[key] = follower
+        tm.FOLLOWERS.set(len(self.followers))
         try:
             while True:
                 item = await follower.outbox.get()
@@ -262,6 +264,7 @@ class Followers:
                 yield item
         finally:
             del self.followers[key]
+            tm.FOLLOWERS.set(len(self.followers))
             self.downlink.moved()  # its outbox counts no more: waiting uploads look again
 
     def close(self) -> None:

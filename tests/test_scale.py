@@ -14,7 +14,7 @@ def test_a_job_grows_then_shrinks_and_its_newcomers_are_merged(tmp_path: Path) -
         "--learners",
         "2",
         "--steps",
-        "1500",
+        "2000",
         "--no-shared-budget",  # the two who stay train on well past the leavers' exit
         "--inner-steps",
         "10",
@@ -23,7 +23,9 @@ def test_a_job_grows_then_shrinks_and_its_newcomers_are_merged(tmp_path: Path) -
         "--quorum",
         "3",
         "--scale",
-        "at=1s,learners=4;at=24s,learners=2",
+        # A newcomer took 20 s to start on two loaded cores: the shrink leaves it time to
+        # send its first updates.
+        "at=1s,learners=4;at=34s,learners=2",
         "--speeds",  # the first two at half speed leave CPU for the newcomers to start
         "[0.5, 0.5]",
     )

@@ -439,7 +439,9 @@ def test_a_follower_gets_the_deltas_since_the_version_it_holds_and_bad_follows_a
         # from the current version on: nothing comes until the next commit, a delta onto it.
         for held in ({0: 99}, {}):
             call = follow(synchronizer_pb2.FollowRequest(job="default", held=held), timeout=10)
-            time.sleep(0.5)  # the call is followed before the commit
+            # The call is followed before the commit (the replica counts it; the learner
+            # follows it too).
+            wait_until(lambda: metric(sync.metrics_port, "atoll_followers") == 2)
             now = support.version(r, 0)
             c.wait_ack(support.send_delta(c, 0, 2, now, seed=now), 10, received=True)
             first = next(iter(call)).fragment
