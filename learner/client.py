@@ -103,6 +103,14 @@ class ClientStats:
     received: int = 0  # RECEIVED acks, resends included
 
 
+# A Follow refused for a reason a retry will not cure (an older replica, a credential): said
+# as a warning, and tried again (the owner map or the replica may change).
+_FOLLOW_REFUSED = {
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+}
 _FATAL = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.FAILED_PRECONDITION,
@@ -323,7 +331,9 @@ class SynchronizerClient:
                 thread.join(timeout=5)
         if self._channel is not None:
             self._channel.close()
-        for channel in self._owner_channels.values():
+        with self._lock:
+            channels = list(self._owner_channels.values())
+        for channel in channels:
             channel.close()
 
     def check(self) -> None:
@@ -661,19 +671,32 @@ class SynchronizerClient:
         for address, call in self._following.items():
             if call is None:
                 continue
+            owned = self._owned_by(address)
             if address not in wanted:
                 call.cancel()  # its thread sees the map moved and ends
-            elif not self._owned_by(address) <= self._followed.get(address, frozenset()):
+            elif not owned <= self._followed.get(address, frozenset()):
                 call.cancel()  # its thread follows again, from the values held now
+            else:
+                self._followed[address] = owned  # one it loses, then takes back, counts
         for address in wanted - set(self._following):
             self._following[address] = None
             threading.Thread(
                 target=self._follow, args=(address,), name="atoll-follow", daemon=True
             ).start()
 
+    def _follow_request(self) -> synchronizer_pb2.FollowRequest:
+        """What this learner holds: its values, or, for a fragment it has none of yet, the
+        version it joined at (it fetches at least that one: no newer one is missed)."""
+        joined = self.welcome.versions if self.welcome is not None else []
+        held = dict(enumerate(joined))
+        with self._values_lock:
+            held.update((p, v) for p, (v, _) in self._canonical.items())
+        return synchronizer_pb2.FollowRequest(job=self.job, held=held)
+
     def _follow(self, address: str) -> None:
         """New global values of the fragments `address` owns, for as long as it owns some:
-        followed again (with backoff) when the call breaks."""
+        followed again when the call breaks (at once when this learner ended it, to follow
+        from what it holds now; else with backoff, reset once a call brought values)."""
         self._bind_log_context()
         delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
         try:
@@ -688,25 +711,37 @@ class SynchronizerClient:
                             session_pb2.SynchronizerMessage.FromString, self._count_down
                         ),
                     )
-                with self._values_lock:
-                    held = {p: v for p, (v, _) in self._canonical.items()}
-                request = synchronizer_pb2.FollowRequest(job=self.job, held=held)
-                responses: Any = follow(request, metadata=self._metadata)
-                with self._lock:
-                    self._following[address] = responses
-                    self._followed[address] = self._owned_by(address)
-                    moved = address not in self._owner_addresses()
-                if moved or self._closed.is_set():
-                    responses.cancel()
-                    continue
+                    followed = self._owned_by(address)
+                responses: Any = None
+                taken = [0]  # chunks the call brought
                 try:
-                    self._take_fragments(responses)
-                    delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
+                    responses = follow(self._follow_request(), metadata=self._metadata)
+                    with self._lock:
+                        self._following[address] = responses
+                        self._followed[address] = followed
+                        moved = address not in self._owner_addresses()
+                    if moved or self._closed.is_set():
+                        continue
+                    self._take_fragments(responses, taken)
+                    continue  # the replica ended it (it drains): follow again at once
                 except grpc.RpcError as err:
-                    if status(err) != grpc.StatusCode.CANCELLED:
-                        log.info("follow_broken", address=address, code=str(status(err)))
-                except ValueError as err:  # a garbled value: follow again, from what is held
+                    code = status(err)
+                    if code == grpc.StatusCode.CANCELLED:
+                        continue  # this learner ended it: the map moved
+                    level = log.warning if code in _FOLLOW_REFUSED else log.info
+                    level(
+                        "follow_broken",
+                        address=address,
+                        code=str(code),
+                        details=err.details() if hasattr(err, "details") else str(err),
+                    )
+                except Exception as err:  # a garbled value, a channel closed meanwhile
                     log.warning("follow_broken", address=address, error=str(err))
+                finally:
+                    if responses is not None:
+                        responses.cancel()
+                    if taken[0]:
+                        delays = backoff_delays(max_s=self.max_backoff_s, initial_s=0.1)
                 self._closed.wait(next(delays))
         finally:
             with self._lock:
@@ -715,10 +750,14 @@ class SynchronizerClient:
                 if not self._closed.is_set():
                     self._follow_owners()  # the map may have moved back meanwhile
 
-    def _take_fragments(self, responses: Iterable[session_pb2.SynchronizerMessage]) -> None:
-        """Assemble and hand on the global values one Follow call brings."""
+    def _take_fragments(
+        self, responses: Iterable[session_pb2.SynchronizerMessage], taken: list[int]
+    ) -> None:
+        """Assemble and hand on the global values one Follow call brings, counting its
+        chunks into `taken`."""
         assembling: dict[int, _Assembly] = {}
         for message in responses:
+            taken[0] += 1
             if message.WhichOneof("kind") != "fragment":
                 continue
             try:

@@ -32,7 +32,7 @@ from services.outage import OutageLog
 from services.wire import bytes_field, join_field, segments_header
 from synchronizer import admission
 from synchronizer.ownership import Ownership
-from synchronizer.session import OUTBOX_LIMIT, WATCH_S, SessionClosed, value_layout
+from synchronizer.session import OUTBOX_LIMIT, WATCH_S, value_layout
 from synchronizer.store import ControlStore
 from synchronizer.tensors import TensorStore
 from synchronizer.values import RebuiltValues, float32_bytes
@@ -57,18 +57,26 @@ class Follower:
     """One Follow call: the serialized chunks queued to it, and what it was sent."""
 
     sent_versions: dict[int, int] = field(default_factory=dict)
-    outbox: asyncio.Queue[bytes | SessionClosed | None] = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
     queued_bytes: int = 0  # serialized fragment chunks in the outbox, not yet sent
     drained_at: float = field(default_factory=time.monotonic)  # when they last moved
+    task: asyncio.Task[Any] | None = None  # the call's handler, ended if it falls too far
+    ended: bool = False
 
     def send(self, message: bytes) -> None:
+        if self.ended:
+            return
         if self.outbox.qsize() > OUTBOX_LIMIT:
-            self.outbox.put_nowait(
-                SessionClosed(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "learner reads fragments too slowly; follow again and fetch the state",
-                )
-            )
+            # It does not read (a learner blocked, or one that never reads): the call ends,
+            # and what was queued to it is let go now, not once its stream moves again. The
+            # learner follows again from the values it holds.
+            self.ended = True
+            while not self.outbox.empty():
+                self.outbox.get_nowait()
+            self.queued_bytes = 0
+            log.warning("follower_too_slow", queued=OUTBOX_LIMIT)
+            if self.task is not None:
+                self.task.cancel()
             return
         if not self.queued_bytes:
             self.drained_at = time.monotonic()  # the queue starts moving from now
@@ -234,7 +242,12 @@ class Followers:
             )
         assert layout is not None
         fragments = layout.num_fragments
-        bad = sorted(p for p in request.held if p >= fragments)[:8]
+        if len(request.held) > fragments:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a follow names at most the job's {fragments} fragments, each once",
+            )
+        bad = sorted(p for p in request.held if p >= fragments)
         if bad:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -248,7 +261,7 @@ class Followers:
             p: int(request.held[p]) if request.held.get(p, current[p] + 1) <= current[p] else v
             for p, v in enumerate(current)
         }
-        follower = Follower(sent_versions=sent)
+        follower = Follower(sent_versions=sent, task=asyncio.current_task())
         key = next(self._ids)
         self.followers[key] = follower
         tm.FOLLOWERS.set(len(self.followers))
@@ -256,9 +269,6 @@ class Followers:
             while True:
                 item = await follower.outbox.get()
                 if item is None:
-                    return
-                if isinstance(item, SessionClosed):
-                    await context.abort(item.code, item.details)
                     return
                 self.downlink.sent(follower, len(item))
                 yield item
@@ -289,14 +299,23 @@ class Followers:
 
     async def watch(self) -> None:
         layout = self._layout()
-        owned = sorted(self.ownership.owned)
-        if layout is None or not owned or not self.followers:
+        if layout is None or not self.followers:
             return
+        owned = sorted(self.ownership.owned)
         versions = await self.store.versions(layout.num_fragments)
         for p in owned:
             version = versions[p]
             if version is not None:
                 await self._push(p, version, layout)
+        # What other replicas own their owners push: taken as sent, so that a fragment this
+        # replica takes over later goes on from there (a learner that missed a version then
+        # finds a delta that does not follow its values, and fetches the fragment), not
+        # whole to every follower.
+        for p, version in enumerate(versions):
+            if version is not None and p not in self.ownership.owned:
+                for follower in self.followers.values():
+                    if follower.sent_versions.get(p, -1) < version:
+                        follower.sent_versions[p] = version
 
     async def _push(self, fragment: int, version: int, layout: FragmentLayout) -> None:
         """Bring every follower to the fragment's newest version: the encoded deltas since

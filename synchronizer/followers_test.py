@@ -2,6 +2,7 @@
 pushed messages."""
 
 import asyncio
+import contextlib
 import time
 
 import numpy as np
@@ -115,3 +116,24 @@ def test_a_whole_value_is_built_as_protobuf_would_serialize_it(n: int, chunk_byt
         assert session_pb2.SynchronizerMessage.FromString(data) == (
             session_pb2.SynchronizerMessage(fragment=chunk)
         )
+
+
+def test_a_follower_that_stops_reading_is_ended_and_what_was_queued_to_it_let_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(followers, "OUTBOX_LIMIT", 3)
+
+    async def run() -> tuple[bool, int, int, bool]:
+        handler = asyncio.create_task(asyncio.sleep(60))  # the call's handler, blocked
+        follower = Follower(task=handler)
+        for _ in range(4):
+            follower.send(b"x" * 100)
+        assert follower.queued_bytes == 400
+        assert not follower.ended
+        follower.send(b"x" * 100)  # the fifth: over the limit
+        follower.send(b"x" * 100)  # and nothing more is queued after that
+        with contextlib.suppress(asyncio.CancelledError):
+            await handler
+        return follower.ended, follower.outbox.qsize(), follower.queued_bytes, handler.cancelled()
+
+    assert asyncio.run(run()) == (True, 0, 0, True)

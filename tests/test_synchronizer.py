@@ -464,6 +464,11 @@ def test_a_follower_gets_the_deltas_since_the_version_it_holds_and_bad_follows_a
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "fragments [7] do not exist",
             ),
+            (
+                synchronizer_pb2.FollowRequest(job="default", held={0: 1, 1: 1, 2: 1}),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "at most the job's 2 fragments",
+            ),
         ]
         for request, code, words in refusals:
             with pytest.raises(grpc.RpcError) as refused:
