@@ -8,8 +8,9 @@ and one when the loop succeeds again, with how long the outage lasted.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 
@@ -58,3 +59,22 @@ class OutageLog:
             **self.fields,
         )
         self.since, self._unlogged, self._failures = None, 0, 0
+
+
+async def every(
+    interval_s: float,
+    step: Callable[[], Awaitable[None]],
+    outage: OutageLog,
+    *,
+    pause_s: float = 0.5,
+) -> None:
+    """Run `step` every `interval_s` for as long as the task lives: a failure (Redis or the
+    tensor store away) is logged through `outage`, and tried again `pause_s` later."""
+    while True:
+        try:
+            await step()
+            outage.succeeded()
+        except Exception as err:
+            outage.failed(err)
+            await asyncio.sleep(pause_s)
+        await asyncio.sleep(interval_s)

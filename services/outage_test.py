@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
-from services.outage import OutageLog
+from services.outage import OutageLog, every
 
 
 class Lines:
@@ -50,3 +52,27 @@ def test_a_new_outage_is_logged_at_once() -> None:
     outage.failed(TimeoutError())
     assert [event for _, event, _ in log.lines] == ["down", "up", "down"]
     assert log.lines[0][2]["error"] == "TimeoutError()"  # an error without a message
+
+
+def test_a_loop_runs_its_step_again_after_failures_and_logs_the_outage_once() -> None:
+    log = Lines()
+    calls = [0]
+    sixth = asyncio.Event()
+
+    async def step() -> None:
+        calls[0] += 1
+        if calls[0] == 6:
+            sixth.set()
+        if calls[0] in (2, 3):
+            raise ConnectionError("Connection refused")
+
+    async def run() -> None:
+        loop = asyncio.create_task(every(0.01, step, OutageLog(log, "down", "up"), pause_s=0.01))
+        await asyncio.wait_for(sixth.wait(), 5)
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+
+    asyncio.run(run())
+    assert [event for _, event, _ in log.lines] == ["down", "up"]
+    assert log.lines[1][2]["failures"] == 2

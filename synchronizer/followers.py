@@ -28,7 +28,7 @@ from services import codec as codecs
 from services import telemetry as tm
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout
-from services.outage import OutageLog
+from services.outage import OutageLog, every
 from services.wire import bytes_field, join_field, segments_header
 from synchronizer import admission
 from synchronizer.ownership import Ownership
@@ -286,16 +286,7 @@ class Followers:
     async def watch_forever(self) -> None:
         """Follow the versions of the fragments this replica owns; bring followers up."""
         outage = OutageLog(log, "follow_watch_interrupted", "follow_watch_resumed")
-        while True:
-            try:
-                await self.watch()
-                outage.succeeded()
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # Redis or the tensor store away: keep trying
-                outage.failed(err)
-                await asyncio.sleep(0.5)
-            await asyncio.sleep(WATCH_S)
+        await every(WATCH_S, self.watch, outage)
 
     async def watch(self) -> None:
         layout = self._layout()

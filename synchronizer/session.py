@@ -25,7 +25,7 @@ from services import telemetry as tm
 from services.config import SynchronizerSettings
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
-from services.outage import OutageLog
+from services.outage import OutageLog, every
 from services.tape import Tape
 from synchronizer import admission, auth, ranges
 from synchronizer.admission import (
@@ -458,16 +458,7 @@ class Sessions:
     async def watch_forever(self) -> None:
         """Follow the fragments' versions and owners; tell the learners this replica serves."""
         outage = OutageLog(log, "watch_interrupted", "watch_resumed")
-        while True:
-            try:
-                await self.watch()
-                outage.succeeded()
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # Redis or the tensor store away: keep trying
-                outage.failed(err)
-                await asyncio.sleep(0.5)
-            await asyncio.sleep(WATCH_S)
+        await every(WATCH_S, self.watch, outage)
 
     async def watch(self) -> None:
         layout = self._layout()
