@@ -704,7 +704,8 @@ class SynchronizerClient:
                 with self._lock:
                     if address not in self._owner_addresses():
                         return
-                    follow = self._owner_channel(address).unary_stream(
+                    channel = self._owner_channel(address)
+                    follow = channel.unary_stream(
                         f"/{SERVICE}/Follow",
                         request_serializer=counting_serializer(_serialize, self._count_up),
                         response_deserializer=counting_parser(
@@ -722,7 +723,7 @@ class SynchronizerClient:
                         moved = address not in self._owner_addresses()
                     if moved or self._closed.is_set():
                         continue
-                    self._take_fragments(responses, taken)
+                    self._take_fragments(responses, taken, channel)
                     continue  # the replica ended it (it drains): follow again at once
                 except grpc.RpcError as err:
                     code = status(err)
@@ -751,17 +752,21 @@ class SynchronizerClient:
                     self._follow_owners()  # the map may have moved back meanwhile
 
     def _take_fragments(
-        self, responses: Iterable[session_pb2.SynchronizerMessage], taken: list[int]
+        self,
+        responses: Iterable[session_pb2.SynchronizerMessage],
+        taken: list[int],
+        channel: grpc.Channel,
     ) -> None:
         """Assemble and hand on the global values one Follow call brings, counting its
-        chunks into `taken`."""
+        chunks into `taken`; a fragment whose delta does not follow the values held is
+        fetched over `channel` (the owner's: the session's may be reconnecting)."""
         assembling: dict[int, _Assembly] = {}
         for message in responses:
             taken[0] += 1
             if message.WhichOneof("kind") != "fragment":
                 continue
             try:
-                got = self._assemble(assembling, message.fragment)
+                got = self._assemble(assembling, message.fragment, channel)
             except ValueError as err:
                 log.warning("fragment_dropped", error=str(err))
                 assembling.pop(message.fragment.header.fragment, None)
@@ -804,11 +809,17 @@ class SynchronizerClient:
         return out
 
     def _fetch(
-        self, fragments: Sequence[int], held: Mapping[int, np.ndarray] | None = None
+        self,
+        fragments: Sequence[int],
+        held: Mapping[int, np.ndarray] | None = None,
+        channel: grpc.Channel | None = None,
     ) -> list[GlobalFragment]:
-        assert self._channel is not None, "connect() first"
+        """The current values of `fragments` over `channel` (default: the session's)."""
+        assert (channel or self._channel) is not None, "connect() first"
         mine = {p: np.ascontiguousarray(v, "<f4") for p, v in (held or {}).items()}
-        fetch = self._method("unary_stream", "FetchState", fragment_pb2.GlobalFragmentChunk)
+        fetch = self._method(
+            "unary_stream", "FetchState", fragment_pb2.GlobalFragmentChunk, channel
+        )
         request = synchronizer_pb2.FetchStateRequest(
             job=self.job,
             fragments=list(fragments),
@@ -829,9 +840,12 @@ class SynchronizerClient:
         return out
 
     # --- the session thread -------------------------------------------------------------
-    def _method(self, kind: str, name: str, response: Any) -> Any:
-        """A call of the synchronizer service whose messages count their bytes on the way."""
-        return getattr(self._channel, kind)(
+    def _method(
+        self, kind: str, name: str, response: Any, channel: grpc.Channel | None = None
+    ) -> Any:
+        """A call of the synchronizer service whose messages count their bytes on the way,
+        over `channel` (default: the session's)."""
+        return getattr(channel or self._channel, kind)(
             f"/{SERVICE}/{name}",
             request_serializer=counting_serializer(_serialize, self._count_up),
             response_deserializer=counting_parser(response.FromString, self._count_down),
@@ -975,10 +989,14 @@ class SynchronizerClient:
         return self.job_status is not None and self.job_status.finish
 
     def _assemble(
-        self, assembling: dict[int, _Assembly], chunk: fragment_pb2.GlobalFragmentChunk
+        self,
+        assembling: dict[int, _Assembly],
+        chunk: fragment_pb2.GlobalFragmentChunk,
+        channel: grpc.Channel | None = None,
     ) -> GlobalFragment | None:
         """A whole global value from its chunks: sent whole, or rebuilt from a delta onto the
-        value held (a delta that does not follow it brings a whole copy instead)."""
+        value held (a delta that does not follow it brings a whole copy instead, fetched
+        over `channel`, default: the session's)."""
         p = chunk.header.fragment
         if chunk.chunk_index == 0:
             base = None
@@ -990,7 +1008,8 @@ class SynchronizerClient:
                     log.info(
                         "delta_gap", fragment=p, held=held and held[0], base=chunk.base_version
                     )
-                    fetched = self._fetch([p])  # delivered by the caller, like a pushed value
+                    # Delivered by the caller, like a pushed value.
+                    fetched = self._fetch([p], channel=channel)
                     return fetched[0] if fetched else None
                 base = held[1]
             assembling[p] = _Assembly(chunk, base)
