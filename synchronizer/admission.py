@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -240,16 +240,38 @@ def _finite_in(value: float, low: float, high: float) -> bool:
     return math.isfinite(value) and low <= value <= high
 
 
-def check_hello(hello: session_pb2.Hello, job: str) -> None:
-    """A hello's fields and size, before any of its spec is read leaf by leaf (the spec is
-    checked by `check_spec`, off the event loop, unless it is known by its digest)."""
-    if hello.job != job:
+def check_job(asked: str, served: str) -> None:
+    """A call's job against the one this replica serves (raises Rejection)."""
+    if asked != served:
         raise Rejection(
             "bad_request",
             grpc.StatusCode.FAILED_PRECONDITION,
-            f"this synchronizer serves job {job!r}, not {hello.job[:MAX_NAME_CHARS]!r}; "
-            "check --job",
+            f"this synchronizer serves job {served!r}, not {asked[:MAX_NAME_CHARS]!r}; check --job",
         )
+
+
+def check_fragments_named(
+    what: str, fragments: int, maps: Sequence[Collection[int]], named: Iterable[int]
+) -> None:
+    """A state fetch's or a follow's fragments (raises Rejection): each of `maps` (its
+    fields keyed or listed by fragment) names at most the job's `fragments`, and every
+    fragment in `named` exists. The sizes are checked first: a fragment list is sorted only
+    once it is known to be short."""
+    if max((len(m) for m in maps), default=0) > fragments:
+        raise _invalid(
+            "bad_request", f"a {what} names at most the job's {fragments} fragments, each once"
+        )
+    bad = sorted({p for p in named if p >= fragments})
+    if bad:
+        raise _invalid(
+            "bad_request", f"fragments {bad} do not exist; this job has 0..{fragments - 1}"
+        )
+
+
+def check_hello(hello: session_pb2.Hello, job: str) -> None:
+    """A hello's fields and size, before any of its spec is read leaf by leaf (the spec is
+    checked by `check_spec`, off the event loop, unless it is known by its digest)."""
+    check_job(hello.job, job)
     if not hello.learner_id or not hello.incarnation:
         raise _invalid("bad_request", "hello needs a learner_id and an incarnation")
     if max(len(hello.learner_id), len(hello.incarnation)) > MAX_NAME_CHARS:

@@ -31,6 +31,7 @@ from services.layout import FragmentLayout
 from services.outage import OutageLog, every
 from services.wire import bytes_field, join_field, segments_header
 from synchronizer import admission
+from synchronizer.admission import Rejection
 from synchronizer.ownership import Ownership
 from synchronizer.session import OUTBOX_LIMIT, WATCH_S, value_layout
 from synchronizer.store import ControlStore
@@ -228,12 +229,10 @@ class Followers:
     ) -> AsyncIterator[bytes]:
         """A learner's stream of new values of the fragments this replica owns (serialized
         once for every follower they go to: the handler passes bytes as they are)."""
-        if request.job != self.job:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this synchronizer serves job {self.job!r}, not "
-                f"{request.job[: admission.MAX_NAME_CHARS]!r}",
-            )
+        try:
+            admission.check_job(request.job, self.job)
+        except Rejection as rejection:
+            await context.abort(rejection.code, rejection.message)
         layout = self._layout()
         if layout is None:
             await context.abort(
@@ -242,17 +241,10 @@ class Followers:
             )
         assert layout is not None
         fragments = layout.num_fragments
-        if len(request.held) > fragments:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"a follow names at most the job's {fragments} fragments, each once",
-            )
-        bad = sorted(p for p in request.held if p >= fragments)
-        if bad:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"fragments {bad} do not exist; this job has 0..{fragments - 1}",
-            )
+        try:
+            admission.check_fragments_named("follow", fragments, [request.held], request.held)
+        except Rejection as rejection:
+            await context.abort(rejection.code, rejection.message)
         # A fragment is followed from the version held, or from its current version (the
         # learner fetches that itself). A held version past the current one is none the job
         # made: it is followed from the current one too.

@@ -545,12 +545,10 @@ class Sessions:
             synchronizer_pb2.FetchStateRequest, fragment_pb2.GlobalFragmentChunk
         ],
     ) -> AsyncIterator[fragment_pb2.GlobalFragmentChunk]:
-        if request.job != self.settings.job:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this synchronizer serves job {self.settings.job!r}, not "
-                f"{request.job[: admission.MAX_NAME_CHARS]!r}",
-            )
+        try:
+            admission.check_job(request.job, self.settings.job)
+        except Rejection as rejection:
+            await context.abort(rejection.code, rejection.message)
         layout = self._layout()
         if layout is None or not await self.store.is_initialized(layout.num_fragments):
             await context.abort(
@@ -559,19 +557,13 @@ class Sessions:
             )
         assert layout is not None
         named = (request.fragments, request.held, request.ranges, request.versions)
-        if max(len(x) for x in named) > layout.num_fragments:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"a state fetch names at most the job's {layout.num_fragments} fragments, "
-                "each once",
+        try:
+            admission.check_fragments_named(
+                "state fetch", layout.num_fragments, named, request.fragments
             )
+        except Rejection as rejection:
+            await context.abort(rejection.code, rejection.message)
         wanted = list(dict.fromkeys(request.fragments)) or list(range(layout.num_fragments))
-        bad = [p for p in wanted if p >= layout.num_fragments]
-        if bad:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"fragments {bad} do not exist; this job has 0..{layout.num_fragments - 1}",
-            )
         for p in wanted:
             if p in request.ranges or p in request.versions:
                 try:
