@@ -307,16 +307,26 @@ class Followers:
         # the bytes (a whole value is the model's size; one copy per learner would not fit).
         full: list[tuple[int, bytes]] = []
         deltas: dict[int, list[tuple[int, bytes]] | None] = {}
-        for follower in list(self.followers.values()):
-            last = follower.sent_versions.get(fragment, -1)
-            if last >= version:
-                continue
+        sent = [(f, f.sent_versions.get(fragment, -1)) for f in list(self.followers.values())]
+        behind = [(f, last) for f, last in sent if last < version]
+
+        def by_deltas(last: int) -> bool:
+            return last >= 0 and version - last <= MAX_DELTA_CHAIN
+
+        # The commit log since the oldest version a follower catches up from by deltas,
+        # read once for all of them.
+        chained = [last for _, last in behind if by_deltas(last)]
+        entries = (
+            {
+                int(e["version"]): e
+                for e in await self.store.log_range(fragment, min(chained), version)
+            }
+            if chained
+            else {}
+        )
+        for follower, last in behind:
             chunks: list[tuple[int, bytes]] = []
-            if last >= 0 and version - last <= MAX_DELTA_CHAIN:
-                entries = {
-                    int(e["version"]): e
-                    for e in await self.store.log_range(fragment, last, version)
-                }
+            if by_deltas(last):
                 for v in range(last + 1, version + 1):
                     if v not in deltas:
                         # Read, parsed and serialized once for every follower (off the
