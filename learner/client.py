@@ -536,13 +536,13 @@ class SynchronizerClient:
             self._watch(address, channel)
         return channel
 
+    def _reached_at(self, address: str) -> str:
+        """Where this learner reaches a replica that advertises `address` (`routes`)."""
+        return self.routes.get(address, address)
+
     def _ingest_call(self, address: str) -> Any:
-        channel = self._owner_channel(self.routes.get(address, address))
-        return channel.stream_unary(
-            f"/{SERVICE}/Ingest",
-            request_serializer=counting_serializer(_serialize, self._count_up),
-            response_deserializer=counting_parser(session_pb2.Ack.FromString, self._count_down),
-        )
+        channel = self._owner_channel(self._reached_at(address))
+        return self._method("stream_unary", "Ingest", session_pb2.Ack, channel)
 
     def _open_channel(self, address: str) -> grpc.Channel:
         # A connection of its own (not shared with other clients of this process, as gRPC
@@ -644,7 +644,7 @@ class SynchronizerClient:
                     current = self._unacked.get(out.seq)
                     if current is not None:
                         current.received_epoch = ack.epoch
-                        current.received_at = self.routes.get(owner.address, owner.address)
+                        current.received_at = self._reached_at(owner.address)
                         self._lock.notify_all()
                 else:
                     self._finish(ack)
@@ -652,12 +652,12 @@ class SynchronizerClient:
     # --- following: new global fragments from their owners --------------------------------
     def _owner_addresses(self) -> set[str]:
         """The replicas of the owner map, by the address each is reached at (under lock)."""
-        return {self.routes.get(o.address, o.address) for o in self.owners.values()}
+        return {self._reached_at(o.address) for o in self.owners.values()}
 
     def _owned_by(self, address: str) -> frozenset[int]:
         """The fragments the replica at `address` owns, as the owner map says (under lock)."""
         return frozenset(
-            p for p, o in self.owners.items() if self.routes.get(o.address, o.address) == address
+            p for p, o in self.owners.items() if self._reached_at(o.address) == address
         )
 
     def _follow_owners(self) -> None:
@@ -705,12 +705,8 @@ class SynchronizerClient:
                     if address not in self._owner_addresses():
                         return
                     channel = self._owner_channel(address)
-                    follow = channel.unary_stream(
-                        f"/{SERVICE}/Follow",
-                        request_serializer=counting_serializer(_serialize, self._count_up),
-                        response_deserializer=counting_parser(
-                            session_pb2.SynchronizerMessage.FromString, self._count_down
-                        ),
+                    follow = self._method(
+                        "unary_stream", "Follow", session_pb2.SynchronizerMessage, channel
                     )
                     followed = self._owned_by(address)
                 responses: Any = None
