@@ -215,7 +215,7 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
             addresses = ",".join(c.address for c in children)
             began = time.monotonic()
             machine0 = _machine_busy_seconds()
-            replicas0 = sum(_cpu_seconds(c.pid) for c in children)
+            replicas0 = sum(cpu_seconds(c.pid) for c in children)
             for i in range(settings.learners):
                 result = run_dir / f"learner-{i}.json"
                 learners.append(
@@ -252,7 +252,7 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
                 time.sleep(0.5)
             wall = time.monotonic() - began
             machine1 = _machine_busy_seconds()
-            replica_cpu = sum(_cpu_seconds(c.pid) for c in children) - replicas0
+            replica_cpu = sum(cpu_seconds(c.pid) for c in children) - replicas0
             results = []
             for i, learner in enumerate(learners):
                 path = run_dir / f"learner-{i}.json"
@@ -422,6 +422,7 @@ class _Session:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._following: dict[str, grpc.Channel] = {}
+        self.learner = learner
         self._hello = session_pb2.LearnerMessage(
             hello=session_pb2.Hello(
                 job="default",
@@ -477,7 +478,9 @@ class _Session:
             request_serializer=synchronizer_pb2.FollowRequest.SerializeToString,
             response_deserializer=session_pb2.SynchronizerMessage.FromString,
         )
-        request = synchronizer_pb2.FollowRequest(job="default", held=dict(self.versions))
+        request = synchronizer_pb2.FollowRequest(
+            job="default", held=dict(self.versions), learner_id=self.learner
+        )
         with contextlib.suppress(grpc.RpcError):  # the replica stops at the bench's end
             for message in follow(request):
                 chunk = message.fragment

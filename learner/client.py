@@ -691,7 +691,7 @@ class SynchronizerClient:
         held = dict(enumerate(joined))
         with self._values_lock:
             held.update((p, v) for p, (v, _) in self._canonical.items())
-        return synchronizer_pb2.FollowRequest(job=self.job, held=held)
+        return synchronizer_pb2.FollowRequest(job=self.job, held=held, learner_id=self.learner_id)
 
     def _follow(self, address: str) -> None:
         """New global values of the fragments `address` owns, for as long as it owns some:

@@ -30,7 +30,7 @@ from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout
 from services.outage import OutageLog, every
 from services.wire import bytes_field, join_field, segments_header
-from synchronizer import admission
+from synchronizer import admission, auth
 from synchronizer.admission import Rejection
 from synchronizer.ownership import Ownership
 from synchronizer.session import OUTBOX_LIMIT, WATCH_S, value_layout
@@ -51,6 +51,11 @@ DOWNLINK_WAIT_MAX_S = 5.0  # an upload's chunk waits no longer than this
 # no upload back (its queue grows until OUTBOX_LIMIT ends its stream).
 DOWNLINK_STALLED_S = 2.0
 MAX_DELTA_CHAIN = 8  # deltas sent to catch a learner up before a whole value is cheaper
+# A learner follows each replica once, and once more while a call it broke is still ending
+# here: a slot's newer calls end its oldest, so that one credential's calls, however many
+# connections they come on, hold at most this many queues of whole values on a replica.
+MAX_FOLLOWS_PER_SLOT = 2
+SUPERSEDED_END_S = 5.0
 
 
 @dataclass
@@ -63,21 +68,34 @@ class Follower:
     drained_at: float = field(default_factory=time.monotonic)  # when they last moved
     task: asyncio.Task[Any] | None = None  # the call's handler, ended if it falls too far
     ended: bool = False
+    slot: str = ""  # the learner slot following
+    superseded: bool = False  # ended by a newer call of its slot: it ends ABORTED
+
+    def end(self, *, superseded: bool = False) -> None:
+        """End the call, and let go of what was queued to it now (not once its stream moves
+        again): cancelled at once, or, `superseded`, with ABORTED as soon as its stream
+        moves (cancelled if it has not within SUPERSEDED_END_S: a learner not reading)."""
+        self.ended = True
+        while not self.outbox.empty():
+            self.outbox.get_nowait()
+        self.queued_bytes = 0
+        if self.task is None:
+            return
+        if superseded:
+            self.superseded = True
+            self.outbox.put_nowait(None)
+            asyncio.get_running_loop().call_later(SUPERSEDED_END_S, self.task.cancel)
+        else:
+            self.task.cancel()
 
     def send(self, message: bytes) -> None:
         if self.ended:
             return
         if self.outbox.qsize() > OUTBOX_LIMIT:
-            # It does not read (a learner blocked, or one that never reads): the call ends,
-            # and what was queued to it is let go now, not once its stream moves again. The
-            # learner follows again from the values it holds.
-            self.ended = True
-            while not self.outbox.empty():
-                self.outbox.get_nowait()
-            self.queued_bytes = 0
-            log.warning("follower_too_slow", queued=OUTBOX_LIMIT)
-            if self.task is not None:
-                self.task.cancel()
+            # It does not read (a learner blocked, or one that never reads): the call ends.
+            # The learner follows again from the values it holds.
+            log.warning("follower_too_slow", queued=OUTBOX_LIMIT, learner=self.slot[:64])
+            self.end()
             return
         if not self.queued_bytes:
             self.drained_at = time.monotonic()  # the queue starts moving from now
@@ -233,6 +251,12 @@ class Followers:
             admission.check_job(request.job, self.job)
         except Rejection as rejection:
             await context.abort(rejection.code, rejection.message)
+        if not request.learner_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a Follow call names the learner slot following (learner_id)",
+            )
+        auth.check_slot(request.learner_id)
         layout = self._layout()
         if layout is None:
             await context.abort(
@@ -253,7 +277,10 @@ class Followers:
             p: int(request.held[p]) if request.held.get(p, current[p] + 1) <= current[p] else v
             for p, v in enumerate(current)
         }
-        follower = Follower(sent_versions=sent, task=asyncio.current_task())
+        follower = Follower(
+            sent_versions=sent, task=asyncio.current_task(), slot=request.learner_id
+        )
+        self._supersede(request.learner_id)
         key = next(self._ids)
         self.followers[key] = follower
         tm.FOLLOWERS.set(len(self.followers))
@@ -261,6 +288,12 @@ class Followers:
             while True:
                 item = await follower.outbox.get()
                 if item is None:
+                    if follower.superseded:
+                        await context.abort(
+                            grpc.StatusCode.ABORTED,
+                            f"{MAX_FOLLOWS_PER_SLOT} newer Follow calls of learner slot "
+                            f"{follower.slot[:64]!r} took this one's place",
+                        )
                     return
                 self.downlink.sent(follower, len(item))
                 yield item
@@ -268,6 +301,14 @@ class Followers:
             del self.followers[key]
             tm.FOLLOWERS.set(len(self.followers))
             self.downlink.moved()  # its outbox counts no more: waiting uploads look again
+
+    def _supersede(self, slot: str) -> None:
+        """Make room for a new call of `slot`: its oldest calls past MAX_FOLLOWS_PER_SLOT - 1
+        end (ABORTED), their queues let go now."""
+        calls = [f for _, f in sorted(self.followers.items()) if f.slot == slot and not f.ended]
+        for follower in calls[: max(0, len(calls) - MAX_FOLLOWS_PER_SLOT + 1)]:
+            log.info("follower_superseded", learner=slot[:64])
+            follower.end(superseded=True)
 
     def close(self) -> None:
         """End every Follow call (the replica drains)."""

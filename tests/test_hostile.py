@@ -302,6 +302,29 @@ def test_identity_takeover_is_refused_and_the_first_session_keeps_running(
     # The same incarnation again: refused too.
     again = hello("l0", incarnation=c.incarnation)
     assert session_refusal(sync.address, [again], bearer("l0")) == grpc.StatusCode.ALREADY_EXISTS
+    # Following as l0 with another slot's token is refused too (it would end l0's own
+    # Follow calls), and a Follow call must name its slot.
+    with grpc.insecure_channel(owner_address(c, 0)) as channel:
+        follow = channel.unary_stream(
+            SERVICE + "Follow",
+            request_serializer=synchronizer_pb2.FollowRequest.SerializeToString,
+            response_deserializer=session_pb2.SynchronizerMessage.FromString,
+        )
+        for request, metadata, code in (
+            (
+                synchronizer_pb2.FollowRequest(job="default", learner_id="l0"),
+                bearer("evil"),
+                grpc.StatusCode.PERMISSION_DENIED,
+            ),
+            (
+                synchronizer_pb2.FollowRequest(job="default"),
+                bearer("evil"),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                list(follow(request, metadata=metadata, timeout=10))
+            assert refused.value.code() == code
     assert snapshot(r) == before
     c.check()
     still_merges(c, r)
@@ -1158,6 +1181,7 @@ FOLLOWS = st.builds(
     synchronizer_pb2.FollowRequest,
     job=st.sampled_from(["default", "other", ""]),
     held=st.dictionaries(st.one_of(st.integers(0, 3), U32), U64, max_size=4),
+    learner_id=st.sampled_from(["l1", "l0", "evil", ""]),
 )
 CREDENTIALS = st.sampled_from([bearer("l1"), bearer("evil"), (), (("authorization", "Bearer x"),)])
 BROKEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS}

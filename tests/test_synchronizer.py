@@ -409,6 +409,10 @@ def test_a_follower_gets_the_deltas_since_the_version_it_holds_and_bad_follows_a
         request_serializer=synchronizer_pb2.FollowRequest.SerializeToString,
         response_deserializer=session_pb2.SynchronizerMessage.FromString,
     )
+
+    def following(held: dict[int, int]) -> synchronizer_pb2.FollowRequest:
+        return synchronizer_pb2.FollowRequest(job="default", held=held, learner_id="w")
+
     try:
         support.initialize(c, 2)
         support.commit_versions(c, r, 0, 3)
@@ -417,7 +421,7 @@ def test_a_follower_gets_the_deltas_since_the_version_it_holds_and_bad_follows_a
             held: dict[int, int], newest: int
         ) -> list[fragment_pb2.GlobalFragmentChunk]:
             """The first chunk of each value pushed, until fragment 0's `newest` one."""
-            call = follow(synchronizer_pb2.FollowRequest(job="default", held=held), timeout=10)
+            call = follow(following(held), timeout=10)
             out = []
             for message in call:
                 chunk = message.fragment
@@ -438,7 +442,7 @@ def test_a_follower_gets_the_deltas_since_the_version_it_holds_and_bad_follows_a
         # One holding a version the job never made, or nothing of fragment 0, is followed
         # from the current version on: nothing comes until the next commit, a delta onto it.
         for held in ({0: 99}, {}):
-            call = follow(synchronizer_pb2.FollowRequest(job="default", held=held), timeout=10)
+            call = follow(following(held), timeout=10)
             # The call is followed before the commit (the replica counts it; the learner
             # follows it too).
             wait_until(lambda: metric(sync.metrics_port, "atoll_followers") == 2)
@@ -455,17 +459,22 @@ def test_a_follower_gets_the_deltas_since_the_version_it_holds_and_bad_follows_a
         # Bad follows are refused with what to do, and the replica serves on.
         refusals = [
             (
-                synchronizer_pb2.FollowRequest(job="other"),
+                synchronizer_pb2.FollowRequest(job="other", learner_id="w"),
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "serves job 'default', not 'other'",
             ),
             (
-                synchronizer_pb2.FollowRequest(job="default", held={7: 1}),
+                synchronizer_pb2.FollowRequest(job="default"),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "names the learner slot following",
+            ),
+            (
+                following({7: 1}),
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "fragments [7] do not exist",
             ),
             (
-                synchronizer_pb2.FollowRequest(job="default", held={0: 1, 1: 1, 2: 1}),
+                following({0: 1, 1: 1, 2: 1}),
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "at most the job's 2 fragments",
             ),
@@ -476,6 +485,37 @@ def test_a_follower_gets_the_deltas_since_the_version_it_holds_and_bad_follows_a
             assert refused.value.code() == code
             assert words in (refused.value.details() or "")
         assert [g.version for g in first_chunks({0: 3, 1: 0}, 5)] == [4, 5]
+        # A slot's third Follow call, on a connection of its own (each connection may
+        # have two), ends its oldest (ABORTED, saying why); the two newest are served on,
+        # and other slots' calls are untouched.
+        channels = [
+            grpc.insecure_channel(sync.address, options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(3)
+        ]
+        follows = [
+            ch.unary_stream(
+                "/atoll.v1.Synchronizer/Follow",
+                request_serializer=synchronizer_pb2.FollowRequest.SerializeToString,
+                response_deserializer=session_pb2.SynchronizerMessage.FromString,
+            )
+            for ch in channels
+        ]
+        calls = [f(following({}), timeout=30) for f in follows[:2]]
+        wait_until(lambda: metric(sync.metrics_port, "atoll_followers") == 3)
+        calls.append(follows[2](following({}), timeout=30))
+        with pytest.raises(grpc.RpcError) as superseded:
+            next(iter(calls[0]))
+        assert superseded.value.code() == grpc.StatusCode.ABORTED
+        assert "newer Follow calls of learner slot 'w'" in (superseded.value.details() or "")
+        wait_until(lambda: metric(sync.metrics_port, "atoll_followers") == 3)
+        now = support.version(r, 0)
+        c.wait_ack(support.send_delta(c, 0, 2, now, seed=now), 10, received=True)
+        for call in calls[1:]:
+            assert next(iter(call)).fragment.version == now + 1
+            call.cancel()
+        for ch in channels:
+            ch.close()
+        c.check()  # l0's own session and Follow call went on
     finally:
         channel.close()
         c.close()

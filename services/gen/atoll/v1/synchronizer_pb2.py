@@ -26,7 +26,7 @@ from . import fragment_pb2 as atoll_dot_v1_dot_fragment__pb2
 from . import session_pb2 as atoll_dot_v1_dot_session__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61toll/v1/synchronizer.proto\x12\x08\x61toll.v1\x1a\x17\x61toll/v1/fragment.proto\x1a\x16\x61toll/v1/session.proto\"\x82\x03\n\x11\x46\x65tchStateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tfragments\x18\x02 \x03(\r\x12\x33\n\x04held\x18\x03 \x03(\x0b\x32%.atoll.v1.FetchStateRequest.HeldEntry\x12\x37\n\x06ranges\x18\x04 \x03(\x0b\x32\'.atoll.v1.FetchStateRequest.RangesEntry\x12;\n\x08versions\x18\x05 \x03(\x0b\x32).atoll.v1.FetchStateRequest.VersionsEntry\x1a+\n\tHeldEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x06:\x02\x38\x01\x1a\x44\n\x0bRangesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.atoll.v1.ValueRanges:\x02\x38\x01\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\".\n\x0bValueRanges\x12\x0f\n\x07offsets\x18\x01 \x03(\x04\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\"z\n\rFollowRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12/\n\x04held\x18\x02 \x03(\x0b\x32!.atoll.v1.FollowRequest.HeldEntry\x1a+\n\tHeldEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x98\x02\n\x0cSynchronizer\x12\x46\n\x07Session\x12\x18.atoll.v1.LearnerMessage\x1a\x1d.atoll.v1.SynchronizerMessage(\x01\x30\x01\x12\x30\n\x06Ingest\x12\x15.atoll.v1.UpdateChunk\x1a\r.atoll.v1.Ack(\x01\x12\x42\n\x06\x46ollow\x12\x17.atoll.v1.FollowRequest\x1a\x1d.atoll.v1.SynchronizerMessage0\x01\x12J\n\nFetchState\x12\x1b.atoll.v1.FetchStateRequest\x1a\x1d.atoll.v1.GlobalFragmentChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61toll/v1/synchronizer.proto\x12\x08\x61toll.v1\x1a\x17\x61toll/v1/fragment.proto\x1a\x16\x61toll/v1/session.proto\"\x82\x03\n\x11\x46\x65tchStateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tfragments\x18\x02 \x03(\r\x12\x33\n\x04held\x18\x03 \x03(\x0b\x32%.atoll.v1.FetchStateRequest.HeldEntry\x12\x37\n\x06ranges\x18\x04 \x03(\x0b\x32\'.atoll.v1.FetchStateRequest.RangesEntry\x12;\n\x08versions\x18\x05 \x03(\x0b\x32).atoll.v1.FetchStateRequest.VersionsEntry\x1a+\n\tHeldEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x06:\x02\x38\x01\x1a\x44\n\x0bRangesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.atoll.v1.ValueRanges:\x02\x38\x01\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\".\n\x0bValueRanges\x12\x0f\n\x07offsets\x18\x01 \x03(\x04\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\"\x8e\x01\n\rFollowRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12/\n\x04held\x18\x02 \x03(\x0b\x32!.atoll.v1.FollowRequest.HeldEntry\x12\x12\n\nlearner_id\x18\x03 \x01(\t\x1a+\n\tHeldEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x98\x02\n\x0cSynchronizer\x12\x46\n\x07Session\x12\x18.atoll.v1.LearnerMessage\x1a\x1d.atoll.v1.SynchronizerMessage(\x01\x30\x01\x12\x30\n\x06Ingest\x12\x15.atoll.v1.UpdateChunk\x1a\r.atoll.v1.Ack(\x01\x12\x42\n\x06\x46ollow\x12\x17.atoll.v1.FollowRequest\x1a\x1d.atoll.v1.SynchronizerMessage0\x01\x12J\n\nFetchState\x12\x1b.atoll.v1.FetchStateRequest\x1a\x1d.atoll.v1.GlobalFragmentChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,10 +51,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHSTATEREQUEST_VERSIONSENTRY']._serialized_end=477
   _globals['_VALUERANGES']._serialized_start=479
   _globals['_VALUERANGES']._serialized_end=525
-  _globals['_FOLLOWREQUEST']._serialized_start=527
-  _globals['_FOLLOWREQUEST']._serialized_end=649
-  _globals['_FOLLOWREQUEST_HELDENTRY']._serialized_start=606
-  _globals['_FOLLOWREQUEST_HELDENTRY']._serialized_end=649
-  _globals['_SYNCHRONIZER']._serialized_start=652
-  _globals['_SYNCHRONIZER']._serialized_end=932
+  _globals['_FOLLOWREQUEST']._serialized_start=528
+  _globals['_FOLLOWREQUEST']._serialized_end=670
+  _globals['_FOLLOWREQUEST_HELDENTRY']._serialized_start=627
+  _globals['_FOLLOWREQUEST_HELDENTRY']._serialized_end=670
+  _globals['_SYNCHRONIZER']._serialized_start=673
+  _globals['_SYNCHRONIZER']._serialized_end=953
 # @@protoc_insertion_point(module_scope)

@@ -186,7 +186,12 @@ class FollowRequest(_message.Message):
 
     JOB_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
+    LEARNER_ID_FIELD_NUMBER: _builtins.int
     job: _builtins.str
+    learner_id: _builtins.str
+    """The learner slot following (its credential must speak for it). A replica serves a slot's
+    newest MAX_FOLLOWS_PER_SLOT calls: a newer one ends the oldest (ABORTED).
+    """
     @_builtins.property
     def held(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]:
         """Fragment -> the version of its global value the learner holds, exactly as committed (a
@@ -199,10 +204,11 @@ class FollowRequest(_message.Message):
         *,
         job: _builtins.str = ...,
         held: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
+        learner_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held", "job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held", "job", b"job", "learner_id", b"learner_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
