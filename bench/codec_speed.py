@@ -10,7 +10,9 @@ segment from one accumulator to another (`Codec.move_into`, a chunk of an update
 arriving when its round is sealed; where a codec has no compiled move, the two decode_into
 calls the owner makes instead), and takes the outer step with the codec as the downlink
 (`services.downlink.fused_step`, segment by segment; none where the codec has no compiled
-step: the owner's numpy path). Best of
+step: the owner's numpy path), and hashes the payload (XXH3, as the owner checks each
+chunk). Beside them, `accumulate`: one compiled pass that adds a constant to every value of
+the accumulator, the memory traffic any decode_into has at least. Best of
 `--repeats`, in GB/s of float32 values and of payload bytes, from wall time and from the
 thread's CPU time (on a shared machine the latter is what one core gives).
 
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numba import njit
 
 from bench.runs import write
 from services import codec as codecs
@@ -58,6 +61,25 @@ def _rates(prefix: str, seconds: tuple[float, float], values: int, payload: int)
         f"{prefix}_payload_gb_per_s": round(payload / wall / 1e9, 3),
         f"{prefix}_cpu_gb_per_s": round(4 * values / cpu / 1e9, 3),
         f"{prefix}_cpu_payload_gb_per_s": round(payload / cpu / 1e9, 3),
+    }
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def _accumulate(acc: np.ndarray, w: np.float32) -> None:
+    """acc += w: reads and writes every float32 value once, as decoding into it must."""
+    for i in range(acc.size):
+        acc[i] += w
+
+
+def _floor(settings: CodecSpeedBench) -> dict[str, Any]:
+    """The accumulator's read and write of every value, on this thread."""
+    acc = np.zeros(settings.values, np.float32)
+    _accumulate(acc, np.float32(0.37))  # compiles, and touches the pages
+    wall, cpu = _best(lambda: _accumulate(acc, np.float32(0.37)), settings.repeats)
+    return {
+        "accumulate_ms": round(wall * 1e3, 2),
+        "accumulate_gb_per_s": round(4 * acc.size / wall / 1e9, 3),
+        "accumulate_cpu_gb_per_s": round(4 * acc.size / cpu / 1e9, 3),
     }
 
 
@@ -106,6 +128,10 @@ def _host_row(name: str, x: np.ndarray, settings: CodecSpeedBench) -> dict[str, 
                 return False
         return True
 
+    def checksum() -> None:
+        for s in segments:
+            codecs.checksum(s.data)
+
     decode_into()  # the first touch of the accumulator's pages is not decoding
     move_into()
     compiled_step = outer_step()
@@ -116,6 +142,7 @@ def _host_row(name: str, x: np.ndarray, settings: CodecSpeedBench) -> dict[str, 
         **_rates("decode", _best(decode, repeats), n, payload),
         **_rates("decode_into", _best(decode_into, repeats), n, payload),
         **_rates("move_into", _best(move_into, repeats), n, payload),
+        **_rates("checksum", _best(checksum, repeats), n, payload),
         **(_rates("step", _best(outer_step, repeats), n, payload) if compiled_step else {}),
     }
 
@@ -197,6 +224,7 @@ def run(settings: CodecSpeedBench) -> None:
         "chunk_bytes": settings.chunk_bytes,
         "repeats": settings.repeats,
         "host": [_host_row(name, x, settings) for name in settings.codecs],
+        "host_floor": _floor(settings),
     }
     if settings.device:
         result["device"] = device(settings, x)

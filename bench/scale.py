@@ -80,7 +80,7 @@ def _peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system) a live process has used so far."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

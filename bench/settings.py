@@ -17,7 +17,7 @@ class _Output(BaseModel):
 
 class SynchronizerBench(_Output):
     """Ingest of 3 learners streaming int8 updates, against raw gRPC streaming of the same
-    bytes and against Redis alone storing them."""
+    bytes and against Redis alone storing them; and the CPU each MB cost every part."""
 
     clients: int = Field(3, ge=1, le=16, description="concurrent learner clients")
     seconds: float = Field(10.0, gt=0.0, description="seconds each measurement streams")
@@ -356,8 +356,9 @@ class CodecsBench(_Output):
 
 
 class CodecSpeedBench(_Output):
-    """Encode and decode speed of each codec on one host core, and int8 and int4 encoding
-    on the learner's device against the host path, side by side in one run."""
+    """Encode and decode speed of each codec on one host core (beside the least memory
+    traffic decoding into a sum has), and int8 and int4 encoding on the learner's device
+    against the host path, side by side in one run."""
 
     codecs: list[str] = Field(
         ["fp32", "bf16", "int8", "int4", "e3m0", "int2", "sign", "topk"],

@@ -8,6 +8,12 @@ first with rounds held open (`ratio`), then with rounds merging at the default c
 gRPC sink process that only counts them and acks (raw). Last, the same payloads written
 straight into a fresh Redis, one SET each, as the first design stored every update: that
 ceiling (`store_ratio`) is what data plane v2 left behind.
+
+Where the CPU goes (`cpu_ms_per_mb`): each part's CPU time (user + system, every thread)
+over the MB it moved, side by side in the run: the replica (and its Redis) with rounds held
+open and merging, the raw sink, and the clients of each. On a machine the parts share, a
+ratio is what these leave each other: at 0.8, the replica may spend what the raw sink does
+plus a quarter of the raw run's total.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +33,7 @@ import grpc
 import numpy as np
 import redis
 
-from bench.scale import static_chunks
+from bench.scale import cpu_seconds, static_chunks
 from cluster.processes import Child, atoll_command, child_env, synchronizer_child, wait_for_file
 from cluster.redis_server import RedisServer
 from learner.client import SynchronizerClient
@@ -48,9 +55,22 @@ def _values_for(mib: float) -> int:
     return int(mib * (1 << 20) / (1 + 4 / codecs.DEFAULT_BLOCK_SIZE))
 
 
-def _run_clients(n: int, seconds: float, body: Callable[[int, float], int]) -> float:
-    """Run `body(index, deadline)` in n threads; return total payload MB/s."""
+@dataclass
+class Measured:
+    """A part's payload MB/s, and the CPU ms each MB cost its server processes and clients."""
+
+    mb_s: float
+    cpu_ms_per_mb: dict[str, float]
+
+
+def _run_clients(
+    n: int, seconds: float, body: Callable[[int, float], int], servers: dict[str, int]
+) -> Measured:
+    """Run `body(index, deadline)` in n threads: total payload MB/s, and the CPU ms a MB of
+    each server process (by name: its pid) and of this process's threads (`clients`)."""
     totals = [0] * n
+    cpu0 = {name: cpu_seconds(pid) for name, pid in servers.items()}
+    clients0 = time.process_time()
     start = time.monotonic()
     deadline = start + seconds
 
@@ -62,12 +82,18 @@ def _run_clients(n: int, seconds: float, body: Callable[[int, float], int]) -> f
         t.start()
     for t in threads:
         t.join()
-    return sum(totals) / (time.monotonic() - start) / 1e6
+    mb = sum(totals) / 1e6
+    cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in servers.items()}
+    cpu["clients"] = time.process_time() - clients0
+    return Measured(
+        mb / (time.monotonic() - start),
+        {name: round(1e3 * seconds / mb, 3) if mb else 0.0 for name, seconds in cpu.items()},
+    )
 
 
 def measure_ingest(
     workdir: Path, clients: int, seconds: float, n: int, merging: bool = False
-) -> float:
+) -> Measured:
     """Payload MB/s the synchronizer acknowledges as received. Rounds are held open (sync
     mode waiting for one learner more than there are) unless `merging`: then they merge at
     the default cadence (decoupled, quorum 1, adaptive grace)."""
@@ -132,15 +158,17 @@ def measure_ingest(
                 channel.close()
                 return sent
 
-            rate = _run_clients(clients, seconds, stream)
+            assert redis_server.process is not None
+            servers = {"replica": sync.pid, "redis": redis_server.process.pid}
+            measured = _run_clients(clients, seconds, stream, servers)
             for c in conns:
                 c.close()
-            return rate
+            return measured
         finally:
             sync.stop()
 
 
-def measure_raw(workdir: Path, clients: int, seconds: float, payload_bytes: int) -> float:
+def measure_raw(workdir: Path, clients: int, seconds: float, payload_bytes: int) -> Measured:
     port_file = workdir / "sink.ports"
     sink = Child(
         "raw-sink",
@@ -178,7 +206,7 @@ def measure_raw(workdir: Path, clients: int, seconds: float, payload_bytes: int)
             channel.close()
             return sent
 
-        return _run_clients(clients, seconds, stream)
+        return _run_clients(clients, seconds, stream, {"raw_sink": sink.pid})
     finally:
         sink.stop()
 
@@ -196,7 +224,7 @@ def measure_store(workdir: Path, clients: int, seconds: float, payload_bytes: in
             client.close()
             return sent * payload_bytes
 
-        return _run_clients(clients, seconds, write)
+        return _run_clients(clients, seconds, write, {}).mb_s
 
 
 RAW_METHOD = "/atoll.bench.RawSink/Stream"
@@ -245,13 +273,18 @@ def run(settings: SynchronizerBench) -> None:
         "clients": settings.clients,
         "seconds": settings.seconds,
         "payload_bytes": payload_bytes,
-        "ingest_mb_s": round(ingest, 2),
-        "raw_grpc_mb_s": round(raw, 2),
-        "ratio": round(ingest / raw, 3) if raw else 0.0,
-        "merging_mb_s": round(merging, 2),
-        "merging_ratio": round(merging / raw, 3) if raw else 0.0,
+        "ingest_mb_s": round(ingest.mb_s, 2),
+        "raw_grpc_mb_s": round(raw.mb_s, 2),
+        "ratio": round(ingest.mb_s / raw.mb_s, 3) if raw.mb_s else 0.0,
+        "merging_mb_s": round(merging.mb_s, 2),
+        "merging_ratio": round(merging.mb_s / raw.mb_s, 3) if raw.mb_s else 0.0,
         "store_mb_s": round(store, 2),
-        "store_ratio": round(ingest / store, 3) if store else 0.0,
+        "store_ratio": round(ingest.mb_s / store, 3) if store else 0.0,
+        "cpu_ms_per_mb": {
+            "held_open": ingest.cpu_ms_per_mb,
+            "merging": merging.cpu_ms_per_mb,
+            "raw": raw.cpu_ms_per_mb,
+        },
     }
     print(json.dumps(result, indent=2))
     if settings.json_path is not None:
