@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +41,7 @@ from synchronizer.merge import (
     staleness_weight,
     token_weight,
 )
+from synchronizer.recent import Recent
 from synchronizer.rounds import RoundPolicy, RoundState, decide
 from synchronizer.store import Commit, ControlStore, Live, Pointer
 from synchronizer.tensors import TensorStore, object_name, version_of
@@ -187,9 +187,9 @@ class FragmentOwner:
         self._writing: asyncio.Task[None] | None = None
         self.theta_norm = 0.0
         # Each learner's last accepted update's weight (as capped) on this fragment, and its
-        # L2 norm with the inner steps it covered (`norm_bound`).
-        self.weights: dict[str, float] = {}
-        self.norms: dict[str, tuple[float, int]] = {}
+        # L2 norm under the inner steps it covered (`norm_bound`).
+        self.weights = Recent()
+        self.norms = Recent()
         # Whose idempotency records of this fragment each slot's are, as last recorded here.
         self.holders: dict[str, str] = {}
         self.current = self.rule.new(size, self.segments)
@@ -368,10 +368,8 @@ class FragmentOwner:
         weight of the other learners' last updates (its fair share), so that whatever tokens
         it claims it cannot buy the merge, and its own claims never move the bar. None while
         no other learner's update is known."""
-        others = [w for who, w in self.weights.items() if who != learner]
-        if not others:
-            return None
-        return self.config.max_weight_share * statistics.median(others)
+        median = self.weights.median_of_others(learner)
+        return None if median is None else self.config.max_weight_share * median
 
     def norm_bound(self, learner: str, steps: int) -> float:
         """The largest L2 norm an update of `steps` inner steps may have:
@@ -388,10 +386,9 @@ class FragmentOwner:
         alone on a fragment raise its own bar tenfold with every update."""
         ratio = self.config.max_update_norm_ratio
         size = max(self.theta_norm, REFERENCE_RMS * math.sqrt(self.size))
-        others = [(n, s) for who, (n, s) in self.norms.items() if who != learner]
-        if others:
-            scaled = [n * step_scale(steps, s) for n, s in others]
-            return max(ratio * statistics.median(scaled), size)
+        median = self.norms.median_of_others(learner, lambda s: step_scale(steps, s))
+        if median is not None:
+            return max(ratio * median, size)
         return ratio * size
 
     def check_norms(self, update: Update) -> None:
@@ -621,8 +618,8 @@ class FragmentOwner:
         if not update.provisional:  # received: nothing of it moves again
             self.worker.submit(update.chunks.clear)
             update.accumulator.counted(update.weight, update.norms, 1)
-        self.weights[update.learner] = update.weight  # as capped (provisional: as claimed)
-        self.norms[update.learner] = (update.norm, update.c_steps)
+        self.weights.set(update.learner, update.weight)  # as capped (provisional: as claimed)
+        self.norms.set(update.learner, update.norm, update.c_steps)
         self.members.append(update)  # of the open round: one sealed meanwhile moved it
         self.last_received = time.monotonic()
         tm.UPDATES_ACCEPTED.inc()
@@ -817,7 +814,7 @@ class FragmentOwner:
                         "weight_capped", fragment=self.fragment, learner=u.learner, weight=weight
                     )
                 if self.weights.get(u.learner) == weight:  # not a newer one's since
-                    self.weights[u.learner] = u.weight
+                    self.weights.set(u.learner, u.weight)
         await self._keyframe_written()
         phases.done("keyframe_wait")
         delta = await self._ahead_on_worker(self._step, sealed, scale)

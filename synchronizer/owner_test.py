@@ -12,6 +12,7 @@ from services import codec as codecs
 from services.config import JobConfig
 from services.tape import Tape
 from synchronizer.owner import MAX_STEP_SPAN, Chunk, FragmentOwner, Update, step_scale
+from synchronizer.recent import Recent
 from synchronizer.store import Live, LiveLearner
 from synchronizer.tensors import TensorStore
 
@@ -165,7 +166,7 @@ def test_a_provisional_update_still_arriving_at_sealing_is_capped_into_the_next_
     for s in codecs.encode_segments(codec, x, 64, 400)[0]:
         owner._add(late, s.offset, s.count, s.data)
     assert sealed.provisional is not None
-    owner.weights = {"a": 1.0, "b": 3.0, "late": 1000.0}  # received meanwhile (its own: not)
+    owner.weights = Recent({"a": 1.0, "b": 3.0, "late": 1000.0})  # received meanwhile (not its own)
     _, got = owner._seal()
     assert got is sealed
     assert late.moved is not None
@@ -336,7 +337,7 @@ def test_an_update_received_while_its_move_is_queued_joins_the_next_round_as_mov
     owner.in_flight.add(late)
     for s in codecs.encode_segments(codec, x, 64, 400)[0]:
         owner._add(late, s.offset, s.count, s.data)
-    owner.weights = {"a": 1.0, "b": 3.0}
+    owner.weights = Recent({"a": 1.0, "b": 3.0})
 
     async def recorded(update: Update, checksum: int, record: object) -> tuple[str, int]:
         return "received", 1  # what Redis answers (the store is not this test's)
