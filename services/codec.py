@@ -327,6 +327,9 @@ class Codec:
     # synchronizer runs it on every update it admits.
     check: Callable[[Payload, int, int], None]
     blockwise: Blockwise | None = None  # per-block scales then packed codes
+    # The payload is the values themselves (little-endian float32): summed and moved where
+    # they lie, not decoded into a copy first.
+    float32_payload: bool = False
 
     @classmethod
     def of_blocks(
@@ -340,6 +343,12 @@ class Codec:
         """A segment `decode_into` added into `src` at `weight` moves to `dst` in one pass
         (Blockwise.move_into); False, nothing done, where no compiled path exists: the
         caller decodes it into each."""
+        if self.float32_payload:
+            values = self._float32_values(segment)
+            src_part = target(src, segment.offset, segment.count, self.name)
+            dst_part = target(dst, segment.offset, segment.count, self.name)
+            kernels.float32_move(src_part, dst_part, np.float32(weight), values)
+            return True
         if self.blockwise is None:
             return False
         return self.blockwise.move_into(
@@ -364,12 +373,26 @@ class Codec:
             return self.blockwise.decode_into(
                 acc, weight, segment.offset, segment.count, segment.data, block_size, limit
             )
-        values = self.decode(segment.data, segment.count, block_size)
-        part = target(acc, segment.offset, segment.count, self.name)
-        check_limit(float(np.abs(values).max()) if values.size else 0.0, weight, limit, self.name)
+        if self.float32_payload:
+            values = self._float32_values(segment)
+            part = target(acc, segment.offset, segment.count, self.name)
+            # NaN and Inf pass neither bound: one check for both, and no copy of |values|.
+            largest = max(float(values.max()), -float(values.min())) if values.size else 0.0
+            if not np.isfinite(largest):
+                raise CodecError("payload holds NaN or Inf values; the learner's update diverged")
+        else:
+            values = self.decode(segment.data, segment.count, block_size)
+            part = target(acc, segment.offset, segment.count, self.name)
+            largest = float(np.abs(values).max()) if values.size else 0.0
+        check_limit(largest, weight, limit, self.name)
         squares = float(np.dot(values, values))
         kernels.add_weighed(part, values, np.float32(weight))
         return squares
+
+    def _float32_values(self, segment: Segment) -> np.ndarray:
+        """The segment's values where its payload lies (a float32_payload codec's)."""
+        expect_len(segment.data, 4 * segment.count, self.name)
+        return np.frombuffer(segment.data, "<f4")
 
 
 REGISTRY: dict[str, Codec] = {
@@ -381,6 +404,7 @@ REGISTRY: dict[str, Codec] = {
             _encode_fp32,
             _decode_fp32,
             _check_float(4, "<f4", "fp32"),
+            float32_payload=True,
         ),
         Codec(
             "bf16",

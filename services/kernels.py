@@ -183,6 +183,22 @@ def add_weighed(acc: np.ndarray, values: np.ndarray, w: np.float32) -> None:
             acc[i] += values[i] * w
 
 
+@_kernel
+def float32_move(src: np.ndarray, dst: np.ndarray, w: np.float32, values: np.ndarray) -> None:
+    """Values add_weighed added into `src` at weight w move to `dst`: v = values * w (times
+    one skipped: exact), src -= v, dst += v; bit for bit add_weighed at -w into src, then
+    at w into dst."""
+    if w == 1:
+        for i in range(src.size):
+            src[i] -= values[i]
+            dst[i] += values[i]
+    else:
+        for i in range(src.size):
+            v = values[i] * w
+            src[i] -= v
+            dst[i] += v
+
+
 def warm() -> None:
     """Compile (or load from the cache) every kernel for the types the codecs pass."""
     acc = np.zeros(4, np.float32)
@@ -196,6 +212,11 @@ def warm() -> None:
     nibble_move(acc, acc.copy(), np.float32(1), payload, scales, 2)
     values = np.frombuffer(acc.tobytes(), np.float32)
     add_weighed(acc, values, np.float32(1))
+    float32_move(acc, acc.copy(), np.float32(1), values)
+    # A chunk's payload read in place lies anywhere in its message: unaligned too.
+    unaligned = np.frombuffer(bytes(17), np.uint8)[1:].view(np.float32)
+    add_weighed(acc, unaligned, np.float32(1))
+    float32_move(acc, acc.copy(), np.float32(1), unaligned)
     one, none = np.float32(1), np.zeros(0, np.float32)
     out = np.zeros(12, np.uint8)
     for per_byte in (1, 2):
