@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import grpc
+import numpy as np
 
 from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
@@ -98,12 +99,18 @@ def check_header(
     return codec
 
 
-def check_payload(header: fragment_pb2.PayloadHeader, codec: codecs.Codec, payload: bytes) -> None:
+def codec_refusal(err: codecs.CodecError) -> Rejection:
+    """A payload a codec refused, as the update's refusal: NaN or Inf values (the learner
+    diverged), or bytes that are not what the header says."""
+    return _invalid("non_finite" if "NaN" in str(err) else "bad_codec", str(err))
+
+
+def initial_values(data: codecs.Payload, count: int) -> np.ndarray:
+    """A chunk of a fragment's first values (fp32), or its refusal."""
     try:
-        codec.check(payload, header.num_elements, header.block_size)
+        return codecs.by_name("fp32").decode(data, count, 0)
     except codecs.CodecError as err:
-        non_finite = "NaN" in str(err)
-        raise _invalid("non_finite" if non_finite else "bad_codec", str(err)) from None
+        raise codec_refusal(err) from None
 
 
 def _continues(chunk: session_pb2.UpdateChunk, first: session_pb2.UpdateChunk) -> bool:

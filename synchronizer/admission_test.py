@@ -12,10 +12,10 @@ from synchronizer.admission import (
     check_header,
     check_heartbeat,
     check_hello,
-    check_payload,
     check_spec,
     check_update_fields,
     counted_steps,
+    initial_values,
     max_payload_bytes,
     parse_chunk,
     spec_digest,
@@ -51,15 +51,13 @@ def test_bad_headers_are_refused(kw: dict[str, int], kind: int, c_steps: int, re
     assert info.value.message
 
 
-def test_payload_checks() -> None:
-    codec = codecs.by_name("fp32")
-    h = header(codec=fragment_pb2.CODEC_FP32, block_size=0)
-    check_payload(h, codec, np.ones(100, np.float32).tobytes())
+def test_first_values_are_refused_with_what_is_wrong() -> None:
+    assert initial_values(np.ones(100, np.float32).tobytes(), 100).sum() == 100
     with pytest.raises(Rejection, match="NaN") as info:
-        check_payload(h, codec, np.full(100, np.inf, np.float32).tobytes())
+        initial_values(np.full(100, np.inf, np.float32).tobytes(), 100)
     assert info.value.reason == "non_finite"
     with pytest.raises(Rejection) as info:
-        check_payload(h, codec, b"\x00" * 12)
+        initial_values(b"\x00" * 12, 100)
     assert info.value.reason == "bad_codec"
 
 

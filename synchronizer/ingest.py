@@ -31,6 +31,7 @@ from synchronizer.admission import (
     check_chunk,
     check_header,
     check_update_fields,
+    initial_values,
 )
 from synchronizer.owner import FragmentOwner, NormTooLarge
 from synchronizer.ownership import Ownership
@@ -318,12 +319,7 @@ class Ingest:
         hasher = xxhash.xxh3_64()
         try:
             async for chunk, data in self._chunks(arrived, rest, Waits()):
-                try:
-                    part = codecs.by_name("fp32").decode(data, chunk.value_count, 0)
-                except codecs.CodecError as err:
-                    raise Rejection(
-                        "bad_codec", grpc.StatusCode.INVALID_ARGUMENT, str(err)
-                    ) from None
+                part = initial_values(data, chunk.value_count)
                 values[chunk.value_offset : chunk.value_offset + chunk.value_count] = part
                 hasher.update(data)
             if hasher.intdigest() != first.header.checksum:

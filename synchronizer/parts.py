@@ -38,6 +38,8 @@ from synchronizer.admission import (
     check_part_chunk,
     check_parts,
     check_same_update,
+    codec_refusal,
+    initial_values,
 )
 from synchronizer.owner import FragmentOwner, NormTooLarge, RoundBusy, Update
 
@@ -253,7 +255,7 @@ class Parts:
                     await summing.add(gathering.owner.add(update, offset, count, data))
                 else:
                     assert gathering.values is not None
-                    gathering.values[offset : offset + count] = _fp32(data, count)
+                    gathering.values[offset : offset + count] = initial_values(data, count)
                 after, index = offset + count, index + 1
                 current = await anext(rest, None)
             await summing.done()
@@ -359,13 +361,6 @@ def _retry(what: str) -> Rejection:
     )
 
 
-def _fp32(data: codecs.Payload, count: int) -> np.ndarray:
-    try:
-        return codecs.by_name("fp32").decode(data, count, 0)
-    except codecs.CodecError as err:
-        raise _invalid("bad_codec", str(err)) from None
-
-
 def begin_update(
     owner: FragmentOwner,
     codec: codecs.Codec,
@@ -421,7 +416,6 @@ async def summed(job: asyncio.Future[None]) -> None:
     try:
         await job
     except codecs.CodecError as err:
-        reason = "non_finite" if "NaN" in str(err) else "bad_codec"
-        raise _invalid(reason, str(err)) from None
+        raise codec_refusal(err) from None
     except NormTooLarge as err:
         raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
