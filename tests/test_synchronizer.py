@@ -500,8 +500,12 @@ def test_a_follower_gets_the_deltas_since_the_version_it_holds_and_bad_follows_a
             )
             for ch in channels
         ]
-        calls = [f(following({}), timeout=30) for f in follows[:2]]
-        wait_until(lambda: metric(sync.metrics_port, "atoll_followers") == 3)
+        # Only l0's own call is left once the calls cancelled above have ended here.
+        wait_until(lambda: metric(sync.metrics_port, "atoll_followers") == 1)
+        calls = []
+        for n, f in enumerate(follows[:2]):  # one after the other: the oldest is calls[0]
+            calls.append(f(following({}), timeout=30))
+            wait_until(lambda n=n: metric(sync.metrics_port, "atoll_followers") == n + 2)
         calls.append(follows[2](following({}), timeout=30))
         with pytest.raises(grpc.RpcError) as superseded:
             next(iter(calls[0]))
