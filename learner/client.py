@@ -103,9 +103,11 @@ class ClientStats:
     received: int = 0  # RECEIVED acks, resends included
 
 
-# A Follow refused for a reason a retry will not cure (an older replica, a credential): said
-# as a warning, and tried again (the owner map or the replica may change).
+# A Follow refused for a reason a retry will not cure (an older replica, a credential), or
+# ended because newer calls of this slot took its place (another process speaks for it):
+# said as a warning, and tried again (the owner map or the replica may change).
 _FOLLOW_REFUSED = {
+    grpc.StatusCode.ABORTED,
     grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.UNAUTHENTICATED,

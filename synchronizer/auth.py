@@ -1,5 +1,5 @@
 """Who is calling: one server interceptor authenticates every call of the synchronizer service
-(Session, Ingest, FetchState) and puts the caller's identity where the handlers read it.
+(Session, Ingest, Follow, FetchState) and puts the caller's identity where the handlers read it.
 
 A caller is, in this order of preference:
 - a client certificate (mTLS) whose URI SANs `learner:<slot>` (or `learner:<prefix>*`) name
@@ -40,6 +40,15 @@ class Identity:
         if self.patterns is None:
             return True
         return any(tls.pattern_allows(p, slot) for p in self.patterns)
+
+    @property
+    def only_slot(self) -> str | None:
+        """The one slot it speaks for, if it names exactly one (no pattern)."""
+        if self.patterns is not None and len(self.patterns) == 1:
+            (pattern,) = self.patterns
+            if not pattern.endswith("*"):
+                return pattern
+        return None
 
     @property
     def name(self) -> str:

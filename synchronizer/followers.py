@@ -52,7 +52,7 @@ DOWNLINK_WAIT_MAX_S = 5.0  # an upload's chunk waits no longer than this
 DOWNLINK_STALLED_S = 2.0
 MAX_DELTA_CHAIN = 8  # deltas sent to catch a learner up before a whole value is cheaper
 # A learner follows each replica once, and once more while a call it broke is still ending
-# here: a slot's newer calls end its oldest, so that one credential's calls, however many
+# here: a slot's newer calls end its oldest, so that one slot's calls, however many
 # connections they come on, hold at most this many queues of whole values on a replica.
 MAX_FOLLOWS_PER_SLOT = 2
 SUPERSEDED_END_S = 5.0
@@ -143,7 +143,9 @@ class Downlink:
         made."""
         began = now = time.monotonic()
         while True:
-            queues = [(f.queued_bytes, f.drained_at) for f in self.followers.values()]
+            queues = [
+                (f.queued_bytes, f.drained_at) for f in self.followers.values() if not f.ended
+            ]
             left = DOWNLINK_WAIT_MAX_S - (now - began)
             if left <= 0 or not most_behind(queues, now):
                 return now - began
@@ -247,16 +249,21 @@ class Followers:
     ) -> AsyncIterator[bytes]:
         """A learner's stream of new values of the fragments this replica owns (serialized
         once for every follower they go to: the handler passes bytes as they are)."""
+        key = next(self._ids)  # the order calls came in: a slot's oldest are ended first
         try:
             admission.check_job(request.job, self.job)
         except Rejection as rejection:
             await context.abort(rejection.code, rejection.message)
-        if not request.learner_id:
+        # A learner older than this replica names no slot: the one its credential names.
+        slot = request.learner_id or auth.CALLER.get().only_slot or ""
+        if not slot or len(slot) > admission.MAX_NAME_CHARS:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "a Follow call names the learner slot following (learner_id)",
+                "a Follow call names the learner slot following (learner_id, at most "
+                f"{admission.MAX_NAME_CHARS} chars); a learner older than this replica "
+                "does not: upgrade it",
             )
-        auth.check_slot(request.learner_id)
+        auth.check_slot(slot)
         layout = self._layout()
         if layout is None:
             await context.abort(
@@ -277,12 +284,9 @@ class Followers:
             p: int(request.held[p]) if request.held.get(p, current[p] + 1) <= current[p] else v
             for p, v in enumerate(current)
         }
-        follower = Follower(
-            sent_versions=sent, task=asyncio.current_task(), slot=request.learner_id
-        )
-        self._supersede(request.learner_id)
-        key = next(self._ids)
+        follower = Follower(sent_versions=sent, task=asyncio.current_task(), slot=slot)
         self.followers[key] = follower
+        self._supersede(slot)
         tm.FOLLOWERS.set(len(self.followers))
         try:
             while True:
@@ -303,10 +307,10 @@ class Followers:
             self.downlink.moved()  # its outbox counts no more: waiting uploads look again
 
     def _supersede(self, slot: str) -> None:
-        """Make room for a new call of `slot`: its oldest calls past MAX_FOLLOWS_PER_SLOT - 1
-        end (ABORTED), their queues let go now."""
+        """`slot`'s oldest calls past its newest MAX_FOLLOWS_PER_SLOT end (ABORTED), their
+        queues let go now."""
         calls = [f for _, f in sorted(self.followers.items()) if f.slot == slot and not f.ended]
-        for follower in calls[: max(0, len(calls) - MAX_FOLLOWS_PER_SLOT + 1)]:
+        for follower in calls[: max(0, len(calls) - MAX_FOLLOWS_PER_SLOT)]:
             log.info("follower_superseded", learner=slot[:64])
             follower.end(superseded=True)
 
@@ -348,7 +352,11 @@ class Followers:
         # the bytes (a whole value is the model's size; one copy per learner would not fit).
         full: list[tuple[int, bytes]] = []
         deltas: dict[int, list[tuple[int, bytes]] | None] = {}
-        sent = [(f, f.sent_versions.get(fragment, -1)) for f in list(self.followers.values())]
+        sent = [
+            (f, f.sent_versions.get(fragment, -1))
+            for f in list(self.followers.values())
+            if not f.ended  # its call ends: nothing more is read or framed for it
+        ]
         behind = [(f, last) for f, last in sent if last < version]
 
         def by_deltas(last: int) -> bool:
