@@ -380,12 +380,14 @@ class Codec:
             largest = max(float(values.max()), -float(values.min())) if values.size else 0.0
             if not np.isfinite(largest):
                 raise CodecError("payload holds NaN or Inf values; the learner's update diverged")
+            check_limit(largest, weight, limit, self.name)
+            squares = kernels.float32_squares(values)  # numpy's dot copies unaligned values
         else:
             values = self.decode(segment.data, segment.count, block_size)
             part = target(acc, segment.offset, segment.count, self.name)
             largest = float(np.abs(values).max()) if values.size else 0.0
-        check_limit(largest, weight, limit, self.name)
-        squares = float(np.dot(values, values))
+            check_limit(largest, weight, limit, self.name)
+            squares = float(np.dot(values, values))
         kernels.add_weighed(part, values, np.float32(weight))
         return squares
 

@@ -7,7 +7,8 @@ caps decoding int4 at about 0.6 GB/s of payload a core; one compiled pass reache
 speed. Each value is computed exactly as numpy computes it (float32 level times float32 scale,
 times float32 weight, added in float32: no fused multiply-add, no reordering), so the results
 are bit for bit the numpy path's. Sums of squares are exact per block (integer levels squared
-and summed as integers, times the block's scale squared in float64).
+and summed as integers, times the block's scale squared in float64); fp32's alone is summed in
+any order (`float32_squares`: it only bounds an update's norm).
 
 A loop the compiler cannot vectorize (a branch, or a value carried from one iteration to
 the next) runs several times slower than memory: the outer step is written as one loop per
@@ -183,6 +184,18 @@ def add_weighed(acc: np.ndarray, values: np.ndarray, w: np.float32) -> None:
             acc[i] += values[i] * w
 
 
+@njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc"})
+def float32_squares(values: np.ndarray) -> float:
+    """The sum of squares of float32 values, in float64. Any order of the sum will do (it
+    bounds an update's norm), so the loop may be reordered to vectorize: at memory speed
+    wherever the values lie, where numpy's dot copies an unaligned array first."""
+    total = 0.0
+    for i in range(values.size):
+        v = np.float64(values[i])
+        total += v * v
+    return total
+
+
 @_kernel
 def float32_move(src: np.ndarray, dst: np.ndarray, w: np.float32, values: np.ndarray) -> None:
     """Values add_weighed added into `src` at weight w move to `dst`: v = values * w (times
@@ -217,6 +230,8 @@ def warm() -> None:
     unaligned = np.frombuffer(bytes(17), np.uint8)[1:].view(np.float32)
     add_weighed(acc, unaligned, np.float32(1))
     float32_move(acc, acc.copy(), np.float32(1), unaligned)
+    float32_squares(values)
+    float32_squares(unaligned)
     one, none = np.float32(1), np.zeros(0, np.float32)
     out = np.zeros(12, np.uint8)
     for per_byte in (1, 2):
