@@ -15,6 +15,7 @@ built whole. Both give, bit for bit, what decoding each value on its own gives.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,6 +35,21 @@ Payload = bytes | memoryview
 
 class CodecError(ValueError):
     """A payload or codec parameter is invalid; the message says what and what to do."""
+
+
+class OverSquares(ValueError):
+    """A chunk's sum of squares passed what the caller allowed it (`max_squares`): it was
+    refused before any of it was added (taken out again, values far larger than the sum's
+    would have cancelled the other updates' bits in it)."""
+
+    def __init__(self, squares: float) -> None:
+        super().__init__(f"the chunk's sum of squares {squares:.3g} is over its budget")
+        self.squares = squares
+
+
+def check_squares(squares: float, max_squares: float) -> None:
+    if not squares <= max_squares:
+        raise OverSquares(squares)
 
 
 def blocks_of(n: int, block_size: int) -> int:
@@ -273,15 +289,24 @@ class Blockwise:
         payload: Payload,
         block_size: int,
         limit: float = FLOAT32_MAX,
+        max_squares: float = math.inf,
     ) -> float:
         """acc[offset : offset + count] += float32(weight) * decoded, bit for bit what
         decoding the payload, multiplying by the weight and adding do in float32. Returns
         the decoded values' sum of squares. Raises CodecError, with `acc` untouched, for a
-        payload `check` refuses or one whose values times the weight could pass `limit`."""
+        payload `check` refuses or one whose values times the weight could pass `limit`;
+        OverSquares, `acc` untouched, for one whose sum of squares passes `max_squares`."""
         scales, body = self.parts(payload, count, block_size)
         whole = target(acc, offset, count, self.what)
         largest = float(scales.max()) * self.largest_level if scales.size else 0.0
         check_limit(largest, weight, limit, self.what)
+        if math.isfinite(max_squares):
+            # The most the scales allow; decoded and summed first only past the budget.
+            scales64 = scales.astype(np.float64)
+            most = float(np.dot(scales64, scales64)) * block_size * self.largest_level**2
+            if most > max_squares:
+                values = self.decode(payload, count, block_size).astype(np.float64)
+                check_squares(float(np.dot(values, values)), max_squares)
         w = np.float32(weight)
         fused = self._fused(block_size)
         if fused is not None:

@@ -14,6 +14,7 @@ values), so learner.device_codec encodes them on the learner's device to the sam
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from services.blockwise import (
     byte_table,
     check_block_size,
     check_limit,
+    check_squares,
     expect_len,
     finite,
     int8_levels,
@@ -43,6 +45,7 @@ from services.blockwise import (
 )
 from services.blockwise import MAX_BLOCK_SIZE as MAX_BLOCK_SIZE
 from services.blockwise import CodecError as CodecError
+from services.blockwise import OverSquares as OverSquares
 from services.blockwise import Payload as Payload
 from services.gen.atoll.v1 import fragment_pb2
 
@@ -362,16 +365,26 @@ class Codec:
         segment: Segment,
         block_size: int,
         limit: float = FLOAT32_MAX,
+        max_squares: float = math.inf,
     ) -> float:
         """acc[segment.offset : segment.offset + segment.count] += float32(weight) times the
         segment's decoded values, bit for bit what decoding, then multiplying by the weight
         and adding in float32 give (the synchronizer's accumulator), without building the
         decoded segment for blockwise codecs. Returns the decoded values' sum of squares.
         Raises CodecError, with `acc` untouched, for a payload `check` refuses, a segment
-        outside `acc`, or values that times the weight could pass `limit` in magnitude."""
+        outside `acc`, or values that times the weight could pass `limit` in magnitude; and
+        OverSquares, `acc` untouched, for values whose sum of squares passes `max_squares`
+        (an update's norm bound: refused before anything is added, never taken out again)."""
         if self.blockwise is not None:
             return self.blockwise.decode_into(
-                acc, weight, segment.offset, segment.count, segment.data, block_size, limit
+                acc,
+                weight,
+                segment.offset,
+                segment.count,
+                segment.data,
+                block_size,
+                limit,
+                max_squares,
             )
         if self.float32_payload:
             values = self._float32_values(segment)
@@ -387,7 +400,8 @@ class Codec:
             part = target(acc, segment.offset, segment.count, self.name)
             largest = float(np.abs(values).max()) if values.size else 0.0
             check_limit(largest, weight, limit, self.name)
-            squares = float(np.dot(values, values))
+            squares = kernels.float32_squares(values)
+        check_squares(squares, max_squares)
         kernels.add_weighed(part, values, np.float32(weight))
         return squares
 

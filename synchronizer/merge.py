@@ -7,6 +7,7 @@ each update into, chunk by chunk, and turns the summed round into the outer grad
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,7 +15,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from services.blockwise import check_limit
+from services import kernels
+from services.blockwise import check_limit, check_squares
 from services.codec import Codec, Segment
 
 
@@ -70,12 +72,11 @@ def tensor_norms(values: np.ndarray, segments: Sequence[int]) -> list[float]:
 def decode_checked(
     segment: Segment, codec: Codec, block_size: int, weight: float, limit: float
 ) -> tuple[np.ndarray, float]:
-    """A chunk decoded whole and its sum of squares (inf on overflow); CodecError for values
+    """A chunk decoded whole and its sum of squares (in float64); CodecError for values
     that times `weight` could pass `limit`, as `Codec.decode_into` refuses them."""
     values = codec.decode(segment.data, segment.count, block_size)
     check_limit(float(np.abs(values).max()) if values.size else 0.0, weight, limit, codec.name)
-    with np.errstate(over="ignore"):
-        return values, float(np.dot(values, values))
+    return values, kernels.float32_squares(values)
 
 
 @dataclass
@@ -120,12 +121,14 @@ class Accumulator:
         weight: float,
         norms: Sequence[float],
         limit: float,
+        max_squares: float = math.inf,
     ) -> float:
         """Decode one chunk and add it weighing `weight` (negative: take it out again), in
         one pass per cache-sized piece; returns its unweighted sum of squares. Raises
         CodecError, the sum untouched, for a bad payload or values that times the weight
-        could pass `limit`."""
-        return codec.decode_into(self.total, weight, segment, block_size, limit)
+        could pass `limit`; OverSquares, the sum untouched, for values whose sum of squares
+        passes `max_squares`."""
+        return codec.decode_into(self.total, weight, segment, block_size, limit, max_squares)
 
     def took_out(self, weight: float) -> None:
         """A chunk summed at `weight` left this sum again (refused, or moved on)."""
@@ -216,10 +219,12 @@ class RadialAccumulator(Accumulator):
         weight: float,
         norms: Sequence[float],
         limit: float,
+        max_squares: float = math.inf,
     ) -> float:
         """As the mean rule's, decoded whole first: each tensor's part is scaled by its own
         factor."""
         values, squares = decode_checked(segment, codec, block_size, weight, limit)
+        check_squares(squares, max_squares)
         if weight >= 0:
             self.add(segment.offset, values, weight, norms)
         else:

@@ -429,22 +429,31 @@ class FragmentOwner:
         # A provisional update is summed apart, at the weight it claims, until its weight is
         # known (`_sum_provisional`).
         target = self._sum_for(update)
-        squares = self._sum(update, target, segment, update.weight)
-        refusal: Exception | None = None
         bound = update.norm_bound
-        if not math.isfinite(squares):
-            refusal = codecs.CodecError("payload decodes to NaN or Inf values (a scale overflows)")
-        elif update.squares + squares > bound * bound:
-            refusal = NormTooLarge(
-                f"the update's L2 norm is over {bound:.3g} "
-                f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)",
-                math.sqrt(update.squares + squares),
+        try:
+            # Refused before any of it is added: values far over the bound, added and taken
+            # out again, would cancel the other updates' bits in the sum.
+            squares = self._sum(
+                update, target, segment, update.weight, bound * bound - update.squares
             )
-        if refusal is not None:  # known only once summed: out again, as if never in
-            self._sum(update, target, segment, -update.weight)
-            raise refusal
+        except codecs.OverSquares as err:
+            raise self._refusal(update, err.squares) from None
+        if not math.isfinite(squares) or update.squares + squares > bound * bound:
+            self._sum(update, target, segment, -update.weight)  # the budget's last rounding
+            raise self._refusal(update, squares)
         update.squares += squares
         update.chunks.append(Chunk(segment, target))
+
+    def _refusal(self, update: Update, squares: float) -> Exception:
+        """Why a chunk of `squares` (its sum of squares) is refused."""
+        if not math.isfinite(squares):
+            return codecs.CodecError("payload decodes to NaN or Inf values (a scale overflows)")
+        bound = update.norm_bound
+        return NormTooLarge(
+            f"the update's L2 norm is over {bound:.3g} "
+            f"({self.config.max_update_norm_ratio:g} x the fragment's recent updates)",
+            math.sqrt(update.squares + squares),
+        )
 
     def _sum_for(self, update: Update) -> Accumulator:
         """Where an update's chunks are summed: its round's sum, or for a provisional update
@@ -455,12 +464,26 @@ class FragmentOwner:
             update.accumulator.provisional = self.rule.new(self.size, self.segments)
         return update.accumulator.provisional
 
-    def _sum(self, update: Update, target: Accumulator, segment: codecs.Segment, w: float) -> float:
-        """Decode a chunk and add it into `target` weighing `w` (negative: out again)."""
+    def _sum(
+        self,
+        update: Update,
+        target: Accumulator,
+        segment: codecs.Segment,
+        w: float,
+        max_squares: float = math.inf,
+    ) -> float:
+        """Decode a chunk and add it into `target` weighing `w` (negative: out again), unless
+        its sum of squares passes `max_squares` (OverSquares, nothing added)."""
         if w < 0:
             target.took_out(-w)
         return target.add_encoded(
-            segment, update.codec, update.block_size, w, update.norms, MAX_WEIGHTED_VALUE
+            segment,
+            update.codec,
+            update.block_size,
+            w,
+            update.norms,
+            MAX_WEIGHTED_VALUE,
+            max_squares,
         )
 
     def _take_out(self, update: Update) -> None:

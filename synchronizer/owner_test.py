@@ -11,7 +11,14 @@ import pytest
 from services import codec as codecs
 from services.config import JobConfig
 from services.tape import Tape
-from synchronizer.owner import MAX_STEP_SPAN, Chunk, FragmentOwner, Update, step_scale
+from synchronizer.owner import (
+    MAX_STEP_SPAN,
+    Chunk,
+    FragmentOwner,
+    NormTooLarge,
+    Update,
+    step_scale,
+)
 from synchronizer.recent import Recent
 from synchronizer.store import Live, LiveLearner
 from synchronizer.tensors import TensorStore
@@ -365,4 +372,36 @@ def test_an_update_received_while_its_move_is_queued_joins_the_next_round_as_mov
     assert not late.provisional
     assert owner.current.weight == 4.0  # counted, at the weight it was moved at
     assert owner.weights["late"] == 4.0
+    owner.close()
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8", "int4", "bf16"])
+def test_a_chunk_over_the_norm_bound_is_refused_before_it_touches_the_sum(
+    tmp_path: Path, name: str
+) -> None:
+    """Values far over an update's norm bound, added and taken out again, would cancel the
+    other updates' bits in the round's sum (1e30 + x - 1e30 is 0 in float32): they are
+    refused before anything of them is added, and the sum stays bit for bit."""
+    size = 1000
+    owner = _owner(tmp_path, size)
+    codec = codecs.by_name(name)
+    honest = np.random.default_rng(6).normal(scale=0.01, size=size).astype(np.float32)
+    member = Update("a", "i", 1, 0, 10, 100, 1.0, 1.0, (1.0,), codec, 64, owner.current)
+    member.norm_bound = 10.0
+    for s in codecs.encode_segments(codec, honest, 64, 400)[0]:
+        owner._add(member, s.offset, s.count, s.data)
+    before = owner.current.total.copy()
+    assert np.any(before != 0)
+    for scale in (1e30, 1e3):
+        hostile = Update("b", "i", 1, 0, 10, 100, 1.0, 1.0, (1.0,), codec, 64, owner.current)
+        hostile.norm_bound = 10.0
+        first = codecs.encode_segments(codec, np.full(size, scale, np.float32), 64, 400)[0][0]
+        with pytest.raises(NormTooLarge, match="L2 norm is over 10") as refused:
+            owner._add(hostile, first.offset, first.count, first.data)
+        assert refused.value.norm is not None
+        assert refused.value.norm > 10.0
+        assert not hostile.chunks
+        assert hostile.squares == 0.0
+        assert owner.current.total.tobytes() == before.tobytes()
+        assert owner.current.taken_out == 0.0  # nothing of it was in to take out
     owner.close()
