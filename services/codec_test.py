@@ -425,3 +425,27 @@ def test_a_payload_decodes_the_same_from_a_view_of_the_message_it_arrived_in(
     broken[1:5] = np.float32(np.nan).tobytes()  # the first block's scale (or first value)
     with pytest.raises(codecs.CodecError):
         codec.decode(memoryview(bytes(broken))[1 : 1 + len(payload)], values.size, 64)
+
+
+@pytest.mark.parametrize("name", sorted(set(codecs.REGISTRY) - {"int4"}))
+def test_decode_into_refuses_a_chunk_over_its_squares_budget_without_touching_the_sum(
+    name: str,
+) -> None:
+    """A budget under the chunk's sum of squares refuses it, the accumulator untouched; one
+    at or over it adds the chunk, even where the scales alone allow more (blockwise codecs
+    bound the squares by their scales first, and decode to check only past the budget)."""
+    codec = codecs.by_name(name)
+    x = np.random.default_rng(8).normal(size=3000).astype(np.float32)
+    segment = codecs.Segment(0, x.size, codec.encode(x, 64))
+    exact = np.zeros(x.size, np.float32)
+    squares = codec.decode_into(exact, 0.5, segment, 64)
+    acc = np.ones(x.size, np.float32)
+    with pytest.raises(codecs.OverSquares) as over:
+        codec.decode_into(acc, 0.5, segment, 64, max_squares=0.99 * squares)
+    assert over.value.squares == pytest.approx(squares, rel=1e-5)
+    assert np.all(acc == 1.0)
+    assert codec.decode_into(acc, 0.5, segment, 64, max_squares=1.01 * squares) == squares
+    assert acc.tobytes() == (np.float32(1.0) + exact).tobytes()
+    ample = np.zeros(x.size, np.float32)  # a budget over what the scales allow: one pass
+    assert codec.decode_into(ample, 0.5, segment, 64, max_squares=1e3 * squares) == squares
+    assert ample.tobytes() == exact.tobytes()
