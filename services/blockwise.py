@@ -200,11 +200,20 @@ class Fused:
     into: Callable[[np.ndarray, np.float32, np.ndarray, np.ndarray, int], float]
     decode: Callable[[np.ndarray, np.ndarray, np.ndarray, int], None]
     move: Callable[[np.ndarray, np.ndarray, np.float32, np.ndarray, np.ndarray, int], None]
+    squares: Callable[[np.ndarray, np.ndarray, int, int], float]  # `into`'s, adding nothing
     codes: type[np.integer]  # what the packed body is read as
 
 
-INT8_FUSED = Fused(kernels.int8_into, kernels.int8_decode, kernels.int8_move, np.int8)
-NIBBLE_FUSED = Fused(kernels.nibble_into, kernels.nibble_decode, kernels.nibble_move, np.uint8)
+INT8_FUSED = Fused(
+    kernels.int8_into, kernels.int8_decode, kernels.int8_move, kernels.int8_squares, np.int8
+)
+NIBBLE_FUSED = Fused(
+    kernels.nibble_into,
+    kernels.nibble_decode,
+    kernels.nibble_move,
+    kernels.nibble_squares,
+    np.uint8,
+)
 
 
 @dataclass(frozen=True)
@@ -242,6 +251,22 @@ class Blockwise:
         """Values a chunk: whole blocks and whole bytes."""
         unit = block_size * self.per_byte
         return max(1, DECODE_CHUNK // unit) * unit
+
+    def _squares(self, scales: np.ndarray, body: np.ndarray, n: int, block_size: int) -> float:
+        """The decoded values' sum of squares (as `decode_into` returns it), a chunk of
+        whole blocks at a time."""
+        fused = self._fused(block_size)
+        if fused is not None:
+            return float(fused.squares(body.view(fused.codes), scales, block_size, n))
+        step = self._chunk(block_size)
+        scratch = _Scratch(min(step, n + self.per_byte))
+        squares = 0.0
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            values = self._levels(body, start, stop, scratch, scratch.f32)
+            scale_blocks(values, scales[start // block_size :], block_size, values)
+            squares += kernels.float32_squares(values)
+        return squares
 
     def decode(self, payload: Payload, n: int, block_size: int) -> np.ndarray:
         scales, body = self.parts(payload, n, block_size)
@@ -301,12 +326,12 @@ class Blockwise:
         largest = float(scales.max()) * self.largest_level if scales.size else 0.0
         check_limit(largest, weight, limit, self.what)
         if math.isfinite(max_squares):
-            # The most the scales allow; decoded and summed first only past the budget.
+            # The most the scales allow; past the budget, the squares themselves, summed
+            # first (a pass over the codes, nothing added, nothing built whole).
             scales64 = scales.astype(np.float64)
             most = float(np.dot(scales64, scales64)) * block_size * self.largest_level**2
             if most > max_squares:
-                values = self.decode(payload, count, block_size).astype(np.float64)
-                check_squares(float(np.dot(values, values)), max_squares)
+                check_squares(self._squares(scales, body, count, block_size), max_squares)
         w = np.float32(weight)
         fused = self._fused(block_size)
         if fused is not None:
@@ -318,7 +343,7 @@ class Blockwise:
             stop = min(start + step, count)
             values = self._levels(body, start, stop, scratch, scratch.f32)
             scale_blocks(values, scales[start // block_size :], block_size, values)
-            squares += float(np.dot(values, values))
+            squares += kernels.float32_squares(values)
             if w != 1:  # times one is exact: skipped
                 np.multiply(values, w, out=values)
             part = whole[start:stop]

@@ -433,7 +433,8 @@ REGISTRY: dict[str, Codec] = {
             "int8",
             fragment_pb2.CODEC_INT8,
             _encode_int8,
-            Blockwise("int8", 1, 127.0, int8_levels, INT8_FUSED),
+            # Codes -127..127 are written; a payload's -128 decodes too, so bounds use 128.
+            Blockwise("int8", 1, 128.0, int8_levels, INT8_FUSED),
         ),
         Codec.of_blocks(
             "int4-uniform",

@@ -442,10 +442,25 @@ def test_decode_into_refuses_a_chunk_over_its_squares_budget_without_touching_th
     acc = np.ones(x.size, np.float32)
     with pytest.raises(codecs.OverSquares) as over:
         codec.decode_into(acc, 0.5, segment, 64, max_squares=0.99 * squares)
-    assert over.value.squares == pytest.approx(squares, rel=1e-5)
+    assert over.value.squares == squares  # summed as decode_into sums them
     assert np.all(acc == 1.0)
     assert codec.decode_into(acc, 0.5, segment, 64, max_squares=1.01 * squares) == squares
     assert acc.tobytes() == (np.float32(1.0) + exact).tobytes()
     ample = np.zeros(x.size, np.float32)  # a budget over what the scales allow: one pass
     assert codec.decode_into(ample, 0.5, segment, 64, max_squares=1e3 * squares) == squares
     assert ample.tobytes() == exact.tobytes()
+
+
+def test_an_int8_code_of_minus_128_is_within_the_bounds_the_scales_give() -> None:
+    """The encoder writes -127..127, but a payload's -128 decodes too: the limit and the
+    squares budget count it (a bound of 127 would let it through, to be taken out again)."""
+    codec = codecs.by_name("int8")
+    payload = np.float32(1.0).tobytes() + np.int8(-128).tobytes()
+    acc = np.zeros(1, np.float32)
+    with pytest.raises(codecs.OverSquares):
+        codec.decode_into(acc, 1.0, codecs.Segment(0, 1, payload), 1, max_squares=127.0**2)
+    with pytest.raises(codecs.CodecError, match="could reach"):
+        codec.decode_into(acc, 1.0, codecs.Segment(0, 1, payload), 1, limit=127.5)
+    assert acc[0] == 0.0
+    assert codec.decode_into(acc, 1.0, codecs.Segment(0, 1, payload), 1) == 128.0**2
+    assert acc[0] == -128.0

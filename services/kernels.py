@@ -48,7 +48,7 @@ def int8_into(
             level = np.int32(c[i])
             total += level * level
             a[i] += (np.float32(level) * s) * w
-        squares += float(s) * float(s) * float(total)
+        squares += np.float64(s) * np.float64(s) * np.float64(total)
     return squares
 
 
@@ -91,12 +91,12 @@ def nibble_into(
             total += first * first + second * second
             a[2 * j] += (np.float32(first) * s) * w
             a[2 * j + 1] += (np.float32(second) * s) * w
-        squares += float(s) * float(s) * float(total)
+        squares += np.float64(s) * np.float64(s) * np.float64(total)
     if n % 2:
         level = (np.int32(body[pairs]) & 15) - 8
         s = scales[(n - 1) // bs]
         acc[n - 1] += (np.float32(level) * s) * w
-        squares += float(s) * float(s) * float(level * level)
+        squares += np.float64(s) * np.float64(s) * np.float64(level * level)
     return squares
 
 
@@ -184,6 +184,50 @@ def add_weighed(acc: np.ndarray, values: np.ndarray, w: np.float32) -> None:
             acc[i] += values[i] * w
 
 
+@_kernel
+def int8_squares(codes: np.ndarray, scales: np.ndarray, bs: int, n: int) -> float:
+    """int8_into's sum of squares of n values, without adding them anywhere."""
+    squares = 0.0
+    for b in range(scales.size):
+        lo = b * bs
+        hi = min(lo + bs, n)
+        c = codes[lo:hi]
+        total = np.int32(0)
+        for i in range(hi - lo):
+            level = np.int32(c[i])
+            total += level * level
+        s = scales[b]
+        squares += np.float64(s) * np.float64(s) * np.float64(total)
+    return squares
+
+
+@_kernel
+def nibble_squares(body: np.ndarray, scales: np.ndarray, bs: int, n: int) -> float:
+    """nibble_into's sum of squares of n values, without adding them anywhere."""
+    pairs = n // 2
+    half = bs // 2
+    squares = 0.0
+    for b in range(scales.size):
+        lo = b * half
+        hi = min(lo + half, pairs)
+        if hi <= lo:
+            break
+        c = body[lo:hi]
+        total = np.int32(0)
+        for j in range(hi - lo):
+            byte = np.int32(c[j])
+            first = (byte & 15) - 8
+            second = (byte >> 4) - 8
+            total += first * first + second * second
+        s = scales[b]
+        squares += np.float64(s) * np.float64(s) * np.float64(total)
+    if n % 2:
+        level = (np.int32(body[pairs]) & 15) - 8
+        s = scales[(n - 1) // bs]
+        squares += np.float64(s) * np.float64(s) * np.float64(level * level)
+    return squares
+
+
 @njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc"})
 def float32_squares(values: np.ndarray) -> float:
     """The sum of squares of float32 values, in float64. Any order of the sum will do (it
@@ -232,6 +276,8 @@ def warm() -> None:
     float32_move(acc, acc.copy(), np.float32(1), unaligned)
     float32_squares(values)
     float32_squares(unaligned)
+    int8_squares(payload.view(np.int8), scales, 2, 4)
+    nibble_squares(payload, scales, 2, 4)
     one, none = np.float32(1), np.zeros(0, np.float32)
     out = np.zeros(12, np.uint8)
     for per_byte in (1, 2):
