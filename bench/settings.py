@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
+from types import FrameType
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -433,7 +435,14 @@ class BenchCommand(AtollSettings):
     )
 
     def cli_cmd(self) -> None:
+        # SIGTERM (a timeout, a stopped job) ends a bench as Ctrl-C does: its temporary
+        # folders (at 1e9, tens of GB of tensor store) are removed and its children stopped.
+        signal.signal(signal.SIGTERM, _exit_on_signal)
         CliApp.run_subcommand(self)
+
+
+def _exit_on_signal(signum: int, _: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
 
 
 # Every benchmark a user can run, as `atoll --help` lists them.

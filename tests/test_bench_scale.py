@@ -3,8 +3,12 @@ streaming over gRPC, with every figure the issue asks of it in the report."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 from bench.scale import freshness
@@ -94,3 +98,44 @@ def test_freshness_pairs_receipts_with_the_next_version_seen_and_commits_with_ar
     newer, lags = freshness([result], log)
     assert newer == [2.5, 2.0]
     assert sorted(lags) == [0.25, 0.5, 1.0]
+
+
+def test_a_bench_stopped_by_sigterm_removes_its_folders_and_leaves_no_process(
+    tmp_path: Path,
+) -> None:
+    """A timeout that stops a bench (SIGTERM) leaves nothing behind: at 1e9 its temporary
+    folder holds tens of GB of tensor store, and a machine's disk fills run after run."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    small = ["--params", "4e5", "--fragments", "2", "--replicas", "1", "--learners", "2"]
+    bench = subprocess.Popen(
+        [*atoll_command("bench", "scale"), *small, "--seconds", "60"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        # Until its replica and learners run (the learners write nothing before they end).
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not list(tmp_path.glob("atoll-bench-scale-*/*/*")):
+            time.sleep(0.5)
+        assert list(tmp_path.glob("atoll-bench-scale-*")), "the bench never started"
+        time.sleep(3)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not list(tmp_path.glob("atoll-bench-scale-*"))
+        assert not _in_session(bench.pid)  # none of its processes lives on
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(bench.pid, signal.SIGKILL)
+
+
+def _in_session(sid: int) -> list[str]:
+    """The processes of session `sid` still alive (from /proc: its 6th stat field)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                alive.append(stat.parent.name)
+    return alive
