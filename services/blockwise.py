@@ -16,7 +16,7 @@ built whole. Both give, bit for bit, what decoding each value on its own gives.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -258,15 +258,23 @@ class Blockwise:
         fused = self._fused(block_size)
         if fused is not None:
             return float(fused.squares(body.view(fused.codes), scales, block_size, n))
+        squares = 0.0
+        for _, values in self._pieces(scales, body, n, block_size):
+            squares += kernels.float32_squares(values)
+        return squares
+
+    def _pieces(
+        self, scales: np.ndarray, body: np.ndarray, n: int, block_size: int
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """The decoded values, a chunk of whole blocks at a time, each with where it
+        starts: in one scratch buffer, so each piece is gone once the next is made."""
         step = self._chunk(block_size)
         scratch = _Scratch(min(step, n + self.per_byte))
-        squares = 0.0
         for start in range(0, n, step):
             stop = min(start + step, n)
             values = self._levels(body, start, stop, scratch, scratch.f32)
             scale_blocks(values, scales[start // block_size :], block_size, values)
-            squares += kernels.float32_squares(values)
-        return squares
+            yield start, values
 
     def decode(self, payload: Payload, n: int, block_size: int) -> np.ndarray:
         scales, body = self.parts(payload, n, block_size)
@@ -336,16 +344,11 @@ class Blockwise:
         fused = self._fused(block_size)
         if fused is not None:
             return float(fused.into(whole, w, body.view(fused.codes), scales, block_size))
-        step = self._chunk(block_size)
-        scratch = _Scratch(min(step, count + self.per_byte))
         squares = 0.0
-        for start in range(0, count, step):
-            stop = min(start + step, count)
-            values = self._levels(body, start, stop, scratch, scratch.f32)
-            scale_blocks(values, scales[start // block_size :], block_size, values)
+        for start, values in self._pieces(scales, body, count, block_size):
             squares += kernels.float32_squares(values)
             if w != 1:  # times one is exact: skipped
                 np.multiply(values, w, out=values)
-            part = whole[start:stop]
+            part = whole[start : start + values.size]
             np.add(part, values, out=part)
         return squares
