@@ -386,9 +386,9 @@ class Codec:
                 limit,
                 max_squares,
             )
+        part = target(acc, segment.offset, segment.count, self.name)
         if self.float32_payload:
             values = self._float32_values(segment)
-            part = target(acc, segment.offset, segment.count, self.name)
             # NaN and Inf pass neither bound: one check for both, and no copy of |values|.
             largest = max(float(values.max()), -float(values.min())) if values.size else 0.0
             if not np.isfinite(largest):
@@ -396,14 +396,19 @@ class Codec:
             check_limit(largest, weight, limit, self.name)
             squares = kernels.float32_squares(values)  # numpy's dot copies unaligned values
         else:
-            values = self.decode(segment.data, segment.count, block_size)
-            part = target(acc, segment.offset, segment.count, self.name)
-            largest = float(np.abs(values).max()) if values.size else 0.0
-            check_limit(largest, weight, limit, self.name)
-            squares = kernels.float32_squares(values)
+            values, squares = self.decode_checked(segment, block_size, weight, limit)
         check_squares(squares, max_squares)
         kernels.add_weighed(part, values, np.float32(weight))
         return squares
+
+    def decode_checked(
+        self, segment: Segment, block_size: int, weight: float, limit: float = FLOAT32_MAX
+    ) -> tuple[np.ndarray, float]:
+        """A segment decoded whole (an array of its own, to scale in place) and its sum of
+        squares in float64; CodecError for values that times `weight` could pass `limit`."""
+        values = self.decode(segment.data, segment.count, block_size)
+        check_limit(float(np.abs(values).max()) if values.size else 0.0, weight, limit, self.name)
+        return values, kernels.float32_squares(values)
 
     def _float32_values(self, segment: Segment) -> np.ndarray:
         """The segment's values where its payload lies (a float32_payload codec's)."""

@@ -15,8 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from services import kernels
-from services.blockwise import check_limit, check_squares
+from services.blockwise import check_squares
 from services.codec import Codec, Segment
 
 
@@ -67,16 +66,6 @@ def tensor_norms(values: np.ndarray, segments: Sequence[int]) -> list[float]:
         out.append(float(np.linalg.norm(values[start : start + size].astype(np.float64))))
         start += size
     return out
-
-
-def decode_checked(
-    segment: Segment, codec: Codec, block_size: int, weight: float, limit: float
-) -> tuple[np.ndarray, float]:
-    """A chunk decoded whole and its sum of squares (in float64); CodecError for values
-    that times `weight` could pass `limit`, as `Codec.decode_into` refuses them."""
-    values = codec.decode(segment.data, segment.count, block_size)
-    check_limit(float(np.abs(values).max()) if values.size else 0.0, weight, limit, codec.name)
-    return values, kernels.float32_squares(values)
 
 
 @dataclass
@@ -223,7 +212,7 @@ class RadialAccumulator(Accumulator):
     ) -> float:
         """As the mean rule's, decoded whole first: each tensor's part is scaled by its own
         factor."""
-        values, squares = decode_checked(segment, codec, block_size, weight, limit)
+        values, squares = codec.decode_checked(segment, block_size, weight, limit)
         check_squares(squares, max_squares)
         if weight >= 0:
             self.add(segment.offset, values, weight, norms)
