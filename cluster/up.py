@@ -533,12 +533,14 @@ class LocalCluster:
                 if s["learner"] not in self.slot_ended
             },
             global_checksums=global_sums,
+            # Those still on record, and those a newer incarnation's records replaced.
             dropped=len(
                 dropped_with_sender(
                     inspect.dropped(r, self.s.job, self.s.fragments),
                     {s["incarnation"] for s in summaries},
                 )
-            ),
+            )
+            + int(state.stats.get("updates_dropped", 0)),
         )
         evals = [s["eval_loss"] for s in summaries if s["eval_loss"] is not None]
         # A slot that ended dead wrote no summary: count its steps as the synchronizer last

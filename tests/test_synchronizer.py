@@ -758,3 +758,47 @@ def test_a_resend_whose_round_died_with_its_owner_is_taken_however_far_the_fragm
             await store.redis.aclose()
 
     assert asyncio.run(go()) == ("received", "received", "stale")
+
+
+def test_a_new_incarnation_counts_the_updates_its_predecessor_can_no_longer_send(
+    redis_server: RedisServer,
+) -> None:
+    """A learner killed with an update received into a round that then died with its owner
+    leaves it to nobody: its records, replaced by the next incarnation's first update, are
+    counted as dropped with their sender (what `atoll up`'s report reads, as `atoll check`
+    reads the tape), and an update of the current epoch's open round is not."""
+
+    async def go() -> tuple[list[str], float, list[str], float]:
+        store = open_store(redis_server.url, "default")
+        try:
+            await store.init_fragment(0, "value", ("state0",))
+            update = {
+                "learner": "l0",
+                "incarnation": "i0",
+                "seq": 1,
+                "checksum": 7,
+                "base_version": 0,
+                "max_staleness": 2,
+                "record": {"weight": 1.0},
+                "generation": 1,
+            }
+            await store.redis.set(support.KEYS.owner(0), "replica-a 1")
+            await store.receive(0, "replica-a", 1, **update)  # type: ignore[arg-type]
+            # replica-a dies; replica-b owns the fragment; i0 sends seq 2 there, then dies
+            await store.redis.set(support.KEYS.owner(0), "replica-b 2")
+            await store.redis.set(support.KEYS.epoch(0), 2)
+            await store.receive(0, "replica-b", 2, **{**update, "seq": 2})  # type: ignore[arg-type]
+            sync = redis.Redis.from_url(redis_server.url)
+            before = inspect.dropped(sync, "default", 1)
+            counted_before = inspect.stats(sync, "default", 1).get("updates_dropped", 0.0)
+            again = {**update, "incarnation": "i1", "generation": 2, "seq": 1}
+            status, _ = await store.receive(0, "replica-b", 2, **again)  # type: ignore[arg-type]
+            assert status == "received"
+            after = inspect.dropped(sync, "default", 1)
+            counted = inspect.stats(sync, "default", 1).get("updates_dropped", 0.0)
+            sync.close()
+            return before, counted_before, after, counted
+        finally:
+            await store.redis.aclose()
+
+    assert asyncio.run(go()) == (["l0/i0/1"], 0.0, [], 1.0)

@@ -6,7 +6,8 @@
 -- of its hello (the slot's count of hellos). A newer incarnation's first update replaces
 -- them, so a slot has one such record set per fragment however often it restarts; an older
 -- incarnation is refused from then on, so no retry of its committed updates can find its
--- records gone and be applied again. The caller passes the generation only after reading
+-- records gone and be applied again. The replaced records of updates whose round died
+-- with an earlier owner are counted in the stats' `updates_dropped`. The caller passes the generation only after reading
 -- that this incarnation is the slot's current one; '' asks first.
 -- KEYS: frag, owner, round, seen, stats
 -- ARGV: replica, epoch, uid, seq, checksum, base_version, max_staleness, record_json,
@@ -29,6 +30,17 @@ if holder ~= ARGV[9] then
   local held = tonumber(redis.call('HGET', KEYS[4], 'generation') or '-1')
   -- A slot that never said hello (generation 0) has no order to keep: its newest replaces.
   if holder and generation <= held and generation > 0 then return {'superseded', v} end
+  -- The older incarnation's updates received under an earlier epoch died with their round,
+  -- and it can no longer send them again: counted (`atoll up`'s report), then let go.
+  if holder then
+    local dropped = 0
+    local records = redis.call('HGETALL', KEYS[4])
+    for i = 1, #records, 2 do
+      local epoch, state = string.match(records[i + 1], '^(%d+) %S+ (%a)$')
+      if state == 'r' and tonumber(epoch) < tonumber(ARGV[2]) then dropped = dropped + 1 end
+    end
+    if dropped > 0 then redis.call('HINCRBY', KEYS[5], 'updates_dropped', dropped) end
+  end
   redis.call('DEL', KEYS[4])
   redis.call('HSET', KEYS[4], 'incarnation', ARGV[9], 'generation', ARGV[10])
 end
