@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.chaos import KINDS
+from cluster.check import check_tape
 from cluster.processes import atoll_command
 from synchronizer.ownership import OWNER_TTL_S
 from tests.test_up import up
@@ -25,6 +26,12 @@ SOAK_STEPS = 750  # per learner: about a minute of training for the soak's short
 
 def check(report: dict[str, Any], faults: int) -> None:
     assert report["invariants"]["ok"], report["invariants"]
+    # The report (from Redis) and `atoll check` (from the tape) count every update alike.
+    inv = check_tape(report["_tape"])
+    counted = ("lost_updates", "double_applied", "dropped_with_sender")
+    assert (inv.lost_updates, inv.double_applied, inv.dropped_with_sender) == tuple(
+        report["invariants"][k] for k in counted
+    ), (inv, report["invariants"])
     assert report["faults"]["injected"] == faults, report["faults"]
     assert report["loss"]["final"] < report["loss"]["initial"]
 
