@@ -41,6 +41,7 @@ from synchronizer.merge import (
     staleness_weight,
     token_weight,
 )
+from synchronizer.open_round import OpenRound
 from synchronizer.recent import Recent
 from synchronizer.rounds import RoundPolicy, RoundState, decide
 from synchronizer.store import Commit, ControlStore, Live, Pointer
@@ -193,8 +194,7 @@ class FragmentOwner:
         # Whose idempotency records of this fragment each slot's are, as last recorded here.
         self.holders: dict[str, str] = {}
         self.current = self.rule.new(size, self.segments)
-        self.members: list[Update] = []  # received into the open round
-        self.in_flight: set[Update] = set()  # summing, not received yet
+        self.open: OpenRound[Update] = OpenRound()  # received, and streaming in
         self.opened_at = time.monotonic()
         self.quorum_at: float | None = None
         self.deadline: float | None = None
@@ -318,7 +318,7 @@ class FragmentOwner:
     ) -> Update:
         if any(
             u.learner == learner and (u.incarnation, u.seq) != (incarnation, seq)
-            for u in (*self.members, *self.in_flight)
+            for u in self.open.of(learner)
         ):
             # One update per learner in a round (a learner sends a fragment again only once
             # its last one merged): more would let one slot fill the round and its history.
@@ -360,7 +360,7 @@ class FragmentOwner:
             provisional=cap is None,
             staleness=staleness,
         )
-        self.in_flight.add(update)
+        self.open.stream(update)
         return update
 
     def weight_cap(self, learner: str) -> float | None:
@@ -602,8 +602,7 @@ class FragmentOwner:
         chunk sums still queued add nothing, and what was summed is taken out ahead of
         queued jobs, so before any round sealed from now on moves its chunks or steps.
         Queued behind them, a merge could step a sum that still held its values."""
-        if update in self.in_flight:
-            self.in_flight.discard(update)
+        if self.open.drop(update):
             update.abandoned = True
             await self._ahead_on_worker(self._take_out, update)
 
@@ -637,13 +636,12 @@ class FragmentOwner:
                 self.lost = True
             return status, version
         await self._moved(update)  # its round was sealed meanwhile
-        self.in_flight.discard(update)
         if not update.provisional:  # received: nothing of it moves again
             self.worker.submit(update.chunks.clear)
             update.accumulator.counted(update.weight, update.norms, 1)
         self.weights.set(update.learner, update.weight)  # as capped (provisional: as claimed)
         self.norms.set(update.learner, update.norm, update.c_steps)
-        self.members.append(update)  # of the open round: one sealed meanwhile moved it
+        self.open.receive(update)  # of the open round: one sealed meanwhile moved it
         self.last_received = time.monotonic()
         tm.UPDATES_ACCEPTED.inc()
         self.tape.write("accepted", uid=update.uid, fragment=self.fragment, learner=update.learner)
@@ -695,8 +693,7 @@ class FragmentOwner:
     # --- the round ----------------------------------------------------------------------
     def round_state(self, live: Live, now: float) -> tuple[RoundState, float]:
         """The open round as the round rule reads it, and the slowest live step time."""
-        contributors = {u.learner for u in self.members}
-        in_flight = {u.learner for u in self.in_flight}
+        contributors, sending = self.open.contributors(), self.open.sending()
         finished = sum(1 for lv in live.learners if lv.finished)
         waiting = sum(
             1
@@ -705,13 +702,13 @@ class FragmentOwner:
             and lv.learner not in contributors
             and (lv.still_to_send is None or self.fragment in lv.still_to_send)
         )
-        waiting += len(in_flight - {lv.learner for lv in live.learners})
+        waiting += len(sending - {lv.learner for lv in live.learners})
         # When each update streaming into this round is expected in, at the pace its chunks
         # have come since its first (an update covers the whole fragment); none before its
         # second chunk.
         etas = tuple(
             (self.size - u.arrived) * (now - u.first_at) / (u.arrived - u.first_values)
-            for u in self.in_flight
+            for u in self.open.in_flight
             if u.accumulator is self.current and u.arrived > u.first_values
         )
         state = RoundState(
@@ -730,7 +727,7 @@ class FragmentOwner:
 
     async def evaluate(self, live: Live) -> None:
         """Decide on the open round; merge it when the rule says so."""
-        if self.version is None or self.merging or self.lost or not self.members:
+        if self.version is None or self.merging or self.lost or not self.open.members:
             return
         now = time.monotonic()
         state, slowest = self.round_state(live, now)
@@ -774,9 +771,9 @@ class FragmentOwner:
         """Close the round: its members and sum. Updates still arriving belong to the next
         round from now on; their chunks summed so far move there (queued on the worker
         before the merge's own job)."""
-        members, sealed = self.members, self.current
-        self.members, self.current = [], self.rule.new(self.size, self.segments)
-        for update in self.in_flight:
+        members, sealed = self.open.seal(), self.current
+        self.current = self.rule.new(self.size, self.segments)
+        for update in self.open.in_flight:
             if update.accumulator is sealed:
                 update.accumulator = self.current
                 # Weights are read here, on the event loop; the update changes on the worker.

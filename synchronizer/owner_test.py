@@ -169,7 +169,7 @@ def test_a_provisional_update_still_arriving_at_sealing_is_capped_into_the_next_
     # claims c_tokens^2 / c_steps = 1000; began when no other weight was known
     late = Update("late", "i", 1, 0, 10, 100, 1.0, 1000.0, (1.0,), codec, 64, sealed)
     late.provisional = True
-    owner.in_flight.add(late)
+    owner.open.stream(late)
     for s in codecs.encode_segments(codec, x, 64, 400)[0]:
         owner._add(late, s.offset, s.count, s.data)
     assert sealed.provisional is not None
@@ -265,7 +265,7 @@ def test_the_round_expects_an_update_streaming_in_at_the_pace_of_its_chunks_afte
 
     def arriving(name: str, chunks: int) -> Update:
         update = Update(name, "i", 1, 0, 10, 100, 1.0, 1.0, (1.0,), codec, 64, owner.current)
-        owner.in_flight.add(update)
+        owner.open.stream(update)
 
         async def send() -> None:
             for s in segments[:chunks]:
@@ -304,7 +304,7 @@ def test_an_abandoned_update_is_out_of_the_sum_before_a_round_sealed_after_it_st
     codec = codecs.by_name("int8")
     segments = codecs.encode_segments(codec, np.ones(size, np.float32), 64, 4 * (64 + 4))[0]
     update = Update("a", "i", 1, 0, 10, 100, 1.0, 1.0, (1.0,), codec, 64, owner.current)
-    owner.in_flight.add(update)
+    owner.open.stream(update)
 
     async def run() -> tuple[float, int]:
         await owner.add(update, segments[0].offset, segments[0].count, segments[0].data)
@@ -341,7 +341,7 @@ def test_an_update_received_while_its_move_is_queued_joins_the_next_round_as_mov
     x = np.random.default_rng(5).normal(size=size).astype(np.float32)
     late = Update("late", "i", 1, 0, 10, 100, 1.0, 1000.0, (1.0,), codec, 64, owner.current)
     late.provisional = True
-    owner.in_flight.add(late)
+    owner.open.stream(late)
     for s in codecs.encode_segments(codec, x, 64, 400)[0]:
         owner._add(late, s.offset, s.count, s.data)
     owner.weights = Recent({"a": 1.0, "b": 3.0})
@@ -368,7 +368,7 @@ def test_an_update_received_while_its_move_is_queued_joins_the_next_round_as_mov
         return await receiving
 
     assert asyncio.run(run()) == ("received", 1)
-    assert late in owner.members
+    assert late in owner.open.members
     assert not late.provisional
     assert owner.current.weight == 4.0  # counted, at the weight it was moved at
     assert owner.weights["late"] == 4.0
