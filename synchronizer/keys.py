@@ -102,6 +102,12 @@ class JobKeys:
         newest incarnation to send there, named with its generation (`lua/receive.lua`)."""
         return fragment_key(self.job, p, "seen", learner)
 
+    def orphans(self, p: int) -> str:
+        """Set: uids received into this epoch's rounds whose slot's records a newer
+        incarnation replaced (`lua/receive.lua`): dropped with their sender if their round
+        dies with its owner, let go of once committed."""
+        return fragment_key(self.job, p, "orphans")
+
     def log(self, p: int) -> str:
         return fragment_key(self.job, p, "log")
 

@@ -305,7 +305,13 @@ class ControlStore:
         k = self.keys
         reply = await self._run(
             "own",
-            [k.owner(fragment), k.epoch(fragment), k.round(fragment)],
+            [
+                k.owner(fragment),
+                k.epoch(fragment),
+                k.round(fragment),
+                k.orphans(fragment),
+                k.fragment_stats(fragment),
+            ],
             [op, replica, epoch, max(1, int(ttl_s * 1000))],
         )
         return _s(reply[0]), int(reply[1])
@@ -378,6 +384,7 @@ class ControlStore:
                 k.round(fragment),
                 k.seen(fragment, learner),
                 k.fragment_stats(fragment),
+                k.orphans(fragment),
             ],
             [
                 replica,
@@ -419,6 +426,7 @@ class ControlStore:
                 k.round(p),
                 k.log(p),
                 k.fragment_stats(p),
+                k.orphans(p),
                 *(k.seen(p, learner) for learner, _, _ in commit.merged),
             ],
             [

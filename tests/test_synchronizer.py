@@ -23,7 +23,7 @@ from learner.client import SessionError, SynchronizerClient
 from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from synchronizer import inspect
-from synchronizer.store import open_store
+from synchronizer.store import Commit, open_store
 from synchronizer.tensors import version_of
 from tests import support
 from tests.conftest import SpawnSynchronizer
@@ -763,42 +763,65 @@ def test_a_resend_whose_round_died_with_its_owner_is_taken_however_far_the_fragm
 def test_a_new_incarnation_counts_the_updates_its_predecessor_can_no_longer_send(
     redis_server: RedisServer,
 ) -> None:
-    """A learner killed with an update received into a round that then died with its owner
-    leaves it to nobody: its records, replaced by the next incarnation's first update, are
-    counted as dropped with their sender (what `atoll up`'s report reads, as `atoll check`
-    reads the tape), and an update of the current epoch's open round is not."""
+    """A learner killed with updates received but not committed leaves them to nobody once
+    its next incarnation's first update replaces its records: one whose round died with an
+    earlier owner is counted as dropped with its sender at once; one of the current round
+    is kept apart until its round commits (then let go) or dies with its owner (then
+    counted). What `atoll up`'s report reads, as `atoll check` reads the tape."""
+    keys = support.KEYS
+    update = {
+        "learner": "l0",
+        "incarnation": "i0",
+        "seq": 1,
+        "checksum": 7,
+        "base_version": 0,
+        "max_staleness": 2,
+        "record": {"weight": 1.0},
+        "generation": 1,
+    }
 
-    async def go() -> tuple[list[str], float, list[str], float]:
+    def commit(epoch: int, version: int, merged: list[tuple[str, str, int]]) -> Commit:
+        return Commit(0, "replica-b", epoch, version, "v", ("s",), "d", merged, 1.0, 1.0, 0, {})
+
+    async def go() -> list[tuple[list[str], float, set[bytes]]]:
         store = open_store(redis_server.url, "default")
+        sync = redis.Redis.from_url(redis_server.url)
+
+        def seen() -> tuple[list[str], float, set[bytes]]:
+            dropped = inspect.stats(sync, "default", 1).get("updates_dropped", 0.0)
+            return inspect.dropped(sync, "default", 1), dropped, sync.smembers(keys.orphans(0))
+
         try:
             await store.init_fragment(0, "value", ("state0",))
-            update = {
-                "learner": "l0",
-                "incarnation": "i0",
-                "seq": 1,
-                "checksum": 7,
-                "base_version": 0,
-                "max_staleness": 2,
-                "record": {"weight": 1.0},
-                "generation": 1,
-            }
-            await store.redis.set(support.KEYS.owner(0), "replica-a 1")
+            await store.redis.set(keys.owner(0), "replica-a 1")
+            await store.redis.set(keys.epoch(0), 1)
             await store.receive(0, "replica-a", 1, **update)  # type: ignore[arg-type]
-            # replica-a dies; replica-b owns the fragment; i0 sends seq 2 there, then dies
-            await store.redis.set(support.KEYS.owner(0), "replica-b 2")
-            await store.redis.set(support.KEYS.epoch(0), 2)
-            await store.receive(0, "replica-b", 2, **{**update, "seq": 2})  # type: ignore[arg-type]
-            sync = redis.Redis.from_url(redis_server.url)
-            before = inspect.dropped(sync, "default", 1)
-            counted_before = inspect.stats(sync, "default", 1).get("updates_dropped", 0.0)
-            again = {**update, "incarnation": "i1", "generation": 2, "seq": 1}
+            # replica-a dies; replica-b owns the fragment; i0 sends seq 2 and 3 there, dies
+            await store.redis.set(keys.owner(0), "replica-b 2")
+            await store.redis.set(keys.epoch(0), 2)
+            for seq in (2, 3):
+                await store.receive(0, "replica-b", 2, **{**update, "seq": seq})  # type: ignore[arg-type]
+            states = [seen()]
+            again = {**update, "incarnation": "i1", "generation": 2}
             status, _ = await store.receive(0, "replica-b", 2, **again)  # type: ignore[arg-type]
             assert status == "received"
-            after = inspect.dropped(sync, "default", 1)
-            counted = inspect.stats(sync, "default", 1).get("updates_dropped", 0.0)
-            sync.close()
-            return before, counted_before, after, counted
+            states.append(seen())
+            # seq 2's round commits; then replica-b dies with seq 3 (and i1's) in its round
+            assert (await store.commit(commit(2, 0, [("l0", "i0", 2)])))[0] == "committed"
+            states.append(seen())
+            await store.redis.delete(keys.owner(0))
+            assert (await store.own("acquire", 0, "replica-c", ttl_s=5.0))[0] == "owned"
+            states.append(seen())
+            return states
         finally:
+            sync.close()
             await store.redis.aclose()
 
-    assert asyncio.run(go()) == (["l0/i0/1"], 0.0, [], 1.0)
+    assert asyncio.run(go()) == [
+        (["l0/i0/1"], 0.0, set()),  # still on record: the report finds it there
+        ([], 1.0, {b"l0/i0/2", b"l0/i0/3"}),  # replaced: counted, or kept apart
+        ([], 1.0, {b"l0/i0/3"}),  # committed: no longer an orphan
+        # Its round died with its owner: counted. i1's own is on record for the report, which
+        # counts it only if i1 did not live to finish (it sends it again).
+        (["l0/i1/1"], 2.0, set()),
+    ]

@@ -2,7 +2,8 @@
 -- the version the merge was computed from, so each round commits exactly once. The new value,
 -- optimizer state and delta were written to the tensor store first; this swings the pointer
 -- to them, marks the merged updates committed and keeps the fragment's counters.
--- KEYS: frag, owner, round, log, stats, seen_1..seen_n (the merged updates' slots' records)
+-- KEYS: frag, owner, round, log, stats, orphans, seen_1..seen_n (the merged updates' slots'
+--       records)
 -- ARGV: replica, epoch, expected_version, value_name, state_name, delta_name, log_entry,
 --       useful_seconds, tokens_merged, stale_folded, log_keep, n,
 --       (uid_i, seq_i, incarnation_i) x n
@@ -24,10 +25,13 @@ local n = tonumber(ARGV[12])
 for i = 1, n do
   local uid, seq, incarnation = ARGV[10 + 3 * i], ARGV[11 + 3 * i], ARGV[12 + 3 * i]
   redis.call('HDEL', KEYS[3], uid)
-  -- The slot's records may be a newer incarnation's by now: then this seq is not theirs.
-  if redis.call('HGET', KEYS[5 + i], 'incarnation') == incarnation then
-    local seen = redis.call('HGET', KEYS[5 + i], seq)
-    if seen then redis.call('HSET', KEYS[5 + i], seq, string.sub(seen, 1, -2) .. 'c') end
+  -- The slot's records may be a newer incarnation's by now: then this seq is not theirs,
+  -- and the uid was kept apart as an orphan (`receive.lua`) until now.
+  if redis.call('HGET', KEYS[6 + i], 'incarnation') == incarnation then
+    local seen = redis.call('HGET', KEYS[6 + i], seq)
+    if seen then redis.call('HSET', KEYS[6 + i], seq, string.sub(seen, 1, -2) .. 'c') end
+  else
+    redis.call('SREM', KEYS[6], uid)
   end
 end
 redis.call('HINCRBYFLOAT', KEYS[5], 'useful_seconds', ARGV[8])

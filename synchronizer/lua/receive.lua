@@ -6,10 +6,13 @@
 -- of its hello (the slot's count of hellos). A newer incarnation's first update replaces
 -- them, so a slot has one such record set per fragment however often it restarts; an older
 -- incarnation is refused from then on, so no retry of its committed updates can find its
--- records gone and be applied again. The replaced records of updates whose round died
--- with an earlier owner are counted in the stats' `updates_dropped`. The caller passes the generation only after reading
+-- records gone and be applied again. The caller passes the generation only after reading
 -- that this incarnation is the slot's current one; '' asks first.
--- KEYS: frag, owner, round, seen, stats
+-- Of the replaced records of updates received but not committed, those whose round died
+-- with an earlier owner are counted in the stats' `updates_dropped`; those of this epoch's
+-- rounds are kept in `orphans` until their round commits (`commit.lua`) or dies with this
+-- owner (`own.lua` counts them then): nobody is left to send them again.
+-- KEYS: frag, owner, round, seen, stats, orphans
 -- ARGV: replica, epoch, uid, seq, checksum, base_version, max_staleness, record_json,
 --       incarnation, generation ('': not looked up; 0: the slot never said hello), ttl_s
 -- Returns: {status, version}: received | duplicate (committed already) | again (received
@@ -33,11 +36,17 @@ if holder ~= ARGV[9] then
   -- The older incarnation's updates received under an earlier epoch died with their round,
   -- and it can no longer send them again: counted (`atoll up`'s report), then let go.
   if holder then
+    -- The slot's uids are `learner/incarnation/seq`: this update's, less its two last parts.
+    local learner = string.sub(ARGV[3], 1, #ARGV[3] - #ARGV[9] - #ARGV[4] - 2)
     local dropped = 0
     local records = redis.call('HGETALL', KEYS[4])
     for i = 1, #records, 2 do
       local epoch, state = string.match(records[i + 1], '^(%d+) %S+ (%a)$')
-      if state == 'r' and tonumber(epoch) < tonumber(ARGV[2]) then dropped = dropped + 1 end
+      if state == 'r' and tonumber(epoch) < tonumber(ARGV[2]) then
+        dropped = dropped + 1
+      elseif state == 'r' then
+        redis.call('SADD', KEYS[6], learner .. '/' .. holder .. '/' .. records[i])
+      end
     end
     if dropped > 0 then redis.call('HINCRBY', KEYS[5], 'updates_dropped', dropped) end
   end
