@@ -724,6 +724,19 @@ def test_one_joining_learner_at_a_time_is_asked_for_the_initial_parameters(
         second.close()
 
 
+# One update as `ControlStore.receive` records it: learner l0's first, of its first hello.
+RECEIVED: dict[str, object] = {
+    "learner": "l0",
+    "incarnation": "i0",
+    "seq": 1,
+    "checksum": 7,
+    "base_version": 0,
+    "max_staleness": 2,
+    "record": {"weight": 1.0},
+    "generation": 1,
+}
+
+
 def test_a_resend_whose_round_died_with_its_owner_is_taken_however_far_the_fragment_moved(
     redis_server: RedisServer,
 ) -> None:
@@ -736,16 +749,7 @@ def test_a_resend_whose_round_died_with_its_owner_is_taken_however_far_the_fragm
         store = open_store(redis_server.url, "default")
         try:
             await store.init_fragment(0, "value", ("state0",))
-            update = {
-                "learner": "l0",
-                "incarnation": "i0",
-                "seq": 1,
-                "checksum": 7,
-                "base_version": 0,
-                "max_staleness": 2,
-                "record": {"weight": 1.0},
-                "generation": 1,
-            }
+            update = RECEIVED
             await store.redis.set(support.KEYS.owner(0), "replica-a 1")
             first, _ = await store.receive(0, "replica-a", 1, **update)  # type: ignore[arg-type]
             # replica-a dies; replica-b owns the fragment, which moves on 5 versions
@@ -768,17 +772,7 @@ def test_a_new_incarnation_counts_the_updates_its_predecessor_can_no_longer_send
     earlier owner is counted as dropped with its sender at once; one of the current round
     is kept apart until its round commits (then let go) or dies with its owner (then
     counted). What `atoll up`'s report reads, as `atoll check` reads the tape."""
-    keys = support.KEYS
-    update = {
-        "learner": "l0",
-        "incarnation": "i0",
-        "seq": 1,
-        "checksum": 7,
-        "base_version": 0,
-        "max_staleness": 2,
-        "record": {"weight": 1.0},
-        "generation": 1,
-    }
+    keys, update = support.KEYS, RECEIVED
 
     def commit(epoch: int, version: int, merged: list[tuple[str, str, int]]) -> Commit:
         return Commit(0, "replica-b", epoch, version, "v", ("s",), "d", merged, 1.0, 1.0, 0, {})
