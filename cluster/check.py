@@ -69,15 +69,29 @@ def check_tape(events: Sequence[dict[str, Any]]) -> Invariants:
 
 def _dropped(events: Sequence[dict[str, Any]], uids: set[str]) -> list[str]:
     """Of `uids`, those whose fragment was owned anew after they were last received: their
-    round died with its owner's epoch."""
-    received: dict[str, tuple[float, int]] = {}
-    owned: dict[int, float] = {}  # fragment -> when it was last owned anew
+    round died with its owner's epoch. By the owners' epochs, as Redis orders them, where
+    the tape has them; else by the times the lines were written (tapes of older replicas),
+    which processes write apart and may order otherwise."""
+    received: dict[str, tuple[float, int, int]] = {}  # uid -> when, fragment, epoch
+    owned: dict[int, tuple[float, int]] = {}  # fragment -> when last owned anew, epoch
     for e in events:
         if e["kind"] == "accepted" and str(e["uid"]) in uids and "fragment" in e:
-            received[str(e["uid"])] = (float(e["t"]), int(e["fragment"]))
+            uid, epoch = str(e["uid"]), int(e.get("epoch", 0))
+            if uid not in received or epoch >= received[uid][2]:
+                received[uid] = (float(e["t"]), int(e["fragment"]), epoch)
         elif e["kind"] == "owned":
-            owned[int(e["fragment"])] = float(e["t"])
-    return sorted(uid for uid, (t, p) in received.items() if owned.get(p, -1.0) > t)
+            p, epoch = int(e["fragment"]), int(e.get("epoch", 0))
+            if p not in owned or epoch >= owned[p][1]:
+                owned[p] = (float(e["t"]), epoch)
+
+    def died(t: float, p: int, epoch: int) -> bool:
+        if p not in owned:
+            return False
+        if epoch and owned[p][1]:
+            return owned[p][1] > epoch
+        return owned[p][0] > t
+
+    return sorted(uid for uid, (t, p, epoch) in received.items() if died(t, p, epoch))
 
 
 def _final_models(

@@ -80,3 +80,16 @@ def test_an_update_dropped_with_its_round_and_its_sender_is_not_lost() -> None:
     # Received again after the new owner took the fragment, and never merged: lost.
     again = {"t": 1.6, "who": "s1", "kind": "accepted", "uid": "l1/a/1", "fragment": 0}
     assert check_tape(_run(add=[received, owned, again])).lost_updates == 1
+
+
+def test_rounds_die_by_their_owners_epochs_not_by_when_lines_were_written() -> None:
+    # s1 wrote its line of owning fragment 0 (epoch 2) before s0's line of receiving l1's
+    # update under epoch 1 reached the tape: by time the update outlived its round, by
+    # epoch it died with it.
+    owned = {"t": 1.3, "who": "s1", "kind": "owned", "fragment": 0, "epoch": 2}
+    late = {"t": 1.4, "who": "s0", "kind": "accepted", "uid": "l1/a/1", "fragment": 0, "epoch": 1}
+    inv = check_tape(_run(add=[owned, late]))
+    assert (inv.ok, inv.dropped_with_sender) == (True, 1), inv.problems
+    # Received again under the new epoch and never merged: lost, whatever the times say.
+    again = {**late, "t": 1.2, "who": "s1", "epoch": 2}
+    assert check_tape(_run(add=[owned, late, again])).lost_updates == 1

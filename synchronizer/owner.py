@@ -644,7 +644,13 @@ class FragmentOwner:
         self.open.receive(update)  # of the open round: one sealed meanwhile moved it
         self.last_received = time.monotonic()
         tm.UPDATES_ACCEPTED.inc()
-        self.tape.write("accepted", uid=update.uid, fragment=self.fragment, learner=update.learner)
+        self.tape.write(
+            "accepted",
+            uid=update.uid,
+            fragment=self.fragment,
+            learner=update.learner,
+            epoch=self.epoch,
+        )
         self.wake.set()
         return status, version
 
