@@ -60,7 +60,7 @@ def start_processes(settings: LearnerSettings) -> tuple[LearnerSettings, Group, 
 
 
 def run(settings: LearnerSettings) -> None:
-    tm.configure_logging(settings.log_level)
+    tm.configure_logging(settings.log_level, dropped=tm.LEARNER_LOG_LINES_DROPPED.inc)
     if not settings.standalone:
         try:
             tls.learner_credentials(

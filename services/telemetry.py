@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 from wsgiref.simple_server import WSGIServer
 
 import structlog
@@ -50,12 +50,40 @@ REJECT_REASONS = (
 BADPUT_SOURCES = ("startup", "compile", "waiting", "recovery", "lost")
 
 
-def configure_logging(level: str = "info", *, json: bool = True) -> None:
-    """structlog to stderr: JSON lines in services, aligned text for people (json=False)."""
+class _Lines:
+    """structlog's logger: each event one line on `file`. A line that cannot be written (a
+    full disk, a closed pipe) is dropped and counted (`dropped`), never raised into the code
+    that logged it: a replica whose log cannot be written still answers its calls."""
+
+    def __init__(self, file: TextIO, dropped: Callable[[], None] | None) -> None:
+        self.file, self.dropped, self.lock = file, dropped, threading.Lock()
+
+    def msg(self, message: str) -> None:
+        try:
+            with self.lock:
+                self.file.write(message + "\n")
+                self.file.flush()
+        except (OSError, ValueError):  # ValueError: the file was closed
+            if self.dropped is not None:
+                self.dropped()
+
+    log = debug = info = warn = warning = error = err = critical = exception = fatal = msg
+
+
+def configure_logging(
+    level: str = "info",
+    *,
+    json: bool = True,
+    file: TextIO | None = None,
+    dropped: Callable[[], None] | None = None,
+) -> None:
+    """structlog to stderr (or `file`): JSON lines in services, aligned text for people
+    (json=False). A line that cannot be written is dropped, and `dropped` called."""
     numeric = logging.getLevelNamesMapping().get(level.upper())
     if numeric is None:
         raise ValueError(f"unknown log level {level!r}; use debug, info, warning or error")
     renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    lines = _Lines(file or sys.stderr, dropped)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -65,7 +93,7 @@ def configure_logging(level: str = "info", *, json: bool = True) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=lambda *_: lines,
         cache_logger_on_first_use=False,
     )
 
@@ -115,6 +143,11 @@ UPDATES_REJECTED = Counter(
     "atoll_updates_rejected_total", "Updates refused, by reason", ["reason"], registry=_S
 )
 MERGES = Counter("atoll_merges_total", "Merges committed by this replica", registry=_S)
+LOG_LINES_DROPPED = Counter(
+    "atoll_log_lines_dropped_total",
+    "Log lines this replica could not write (a full disk, a closed pipe)",
+    registry=_S,
+)
 MERGE_ABORTS = Counter(
     "atoll_merge_aborts_total",
     "Merges abandoned because another replica committed first",
@@ -214,6 +247,11 @@ LEARNER_PARAMETERS = Gauge(
     "atoll_learner_parameters",
     "Parameters of the model this learner trains (the data-parallel equivalent of its bytes "
     "is 8 x parameters per step)",
+    registry=_L,
+)
+LEARNER_LOG_LINES_DROPPED = Counter(
+    "atoll_learner_log_lines_dropped_total",
+    "Log lines this learner could not write (a full disk, a closed pipe)",
     registry=_L,
 )
 REJOINS = Counter(

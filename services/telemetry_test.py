@@ -1,5 +1,8 @@
+import contextlib
 import urllib.request
+from collections.abc import Callable
 
+import structlog
 from prometheus_client import CollectorRegistry
 
 from services import telemetry as tm
@@ -35,3 +38,28 @@ def test_serve_metrics_serves_one_role() -> None:
     assert "atoll_learner_steps_total" in text
     assert "atoll_redis_up" not in text
     assert "atoll_merges_total" not in text
+
+
+def _log_to_full_device(dropped: Callable[[], None], *events: str) -> None:
+    """Log `events` where every write fails: /dev/full refuses them (ENOSPC), as a full
+    disk under a service's log does."""
+    full = open("/dev/full", "w")  # noqa: SIM115 (closed below, whatever its buffer holds)
+    tm.configure_logging("info", file=full, dropped=dropped)
+    try:
+        for event in events:
+            structlog.get_logger("test").error(event, fragment=0)
+    finally:
+        tm.configure_logging("info")
+        with contextlib.suppress(OSError):  # what it buffered cannot be written either
+            full.close()
+
+
+def test_a_log_line_that_cannot_be_written_is_dropped_and_counted() -> None:
+    # The code that logged goes on, and each line is counted.
+    dropped: list[int] = []
+    _log_to_full_device(lambda: dropped.append(1), "tensor_store_write_failed", "again")
+    assert dropped == [1, 1]
+    # The services count into Prometheus.
+    before = tm.LOG_LINES_DROPPED._value.get()
+    _log_to_full_device(tm.LOG_LINES_DROPPED.inc, "lost")
+    assert tm.LOG_LINES_DROPPED._value.get() == before + 1

@@ -236,7 +236,7 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def run(settings: SynchronizerSettings) -> None:
-    tm.configure_logging(settings.log_level)
+    tm.configure_logging(settings.log_level, dropped=tm.LOG_LINES_DROPPED.inc)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         asyncio.run(serve(settings))
