@@ -14,8 +14,9 @@ Kinds, by writer:
 - learner: `joined` (incarnation, versions, resumed step), `step` (step, compute seconds),
   `sent` (uid, fragment, base version, compute seconds), `acked` (uid, status), `reconnected`,
   `finished` (checksums of the model it ends with).
-- synchronizer: `started`, `accepted` (uid), `merged` (fragment, version, uids, useful
-  seconds, checksum of the new value).
+- synchronizer: `started`, `owned` (fragment, epoch: it took the fragment's lease),
+  `accepted` (uid, fragment, learner, the owner epoch it was recorded under), `merged`
+  (fragment, version, uids, useful seconds, checksum of the new value).
 
 `atoll check TAPE` and `atoll sim --tape TAPE` read it; `services.goodput` turns it into
 goodput.

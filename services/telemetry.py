@@ -52,17 +52,32 @@ BADPUT_SOURCES = ("startup", "compile", "waiting", "recovery", "lost")
 
 class _Lines:
     """structlog's logger: each event one line on `file`. A line that cannot be written (a
-    full disk, a closed pipe) is dropped and counted (`dropped`), never raised into the code
-    that logged it: a replica whose log cannot be written still answers its calls."""
+    full disk, a closed pipe, no stderr at all) is dropped and counted (`dropped`), never
+    raised into the code that logged it: a replica whose log cannot be written still answers
+    its calls. A line goes to the file's descriptor whole, unbuffered: one that failed is
+    not written later from a buffer, so the count is of lines lost."""
 
-    def __init__(self, file: TextIO, dropped: Callable[[], None] | None) -> None:
-        self.file, self.dropped, self.lock = file, dropped, threading.Lock()
+    def __init__(self, file: TextIO | None, dropped: Callable[[], None] | None) -> None:
+        self.file, self.dropped = file, dropped
+        # Re-entrant: a signal handler that logs may interrupt a line being written.
+        self.lock = threading.RLock()
 
     def msg(self, message: str) -> None:
         try:
+            if self.file is None:
+                raise OSError("no file to log to")
+            line = (message + "\n").encode()
             with self.lock:
-                self.file.write(message + "\n")
-                self.file.flush()
+                try:
+                    fd = self.file.fileno()
+                except (OSError, AttributeError, ValueError):  # in memory: no descriptor
+                    self.file.write(line.decode())
+                    self.file.flush()
+                    return
+                self.file.flush()  # whatever others printed to it first
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view) :]
         except (OSError, ValueError):  # ValueError: the file was closed
             if self.dropped is not None:
                 self.dropped()

@@ -1,7 +1,10 @@
-import contextlib
+import io
+import json
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
@@ -43,21 +46,30 @@ def test_serve_metrics_serves_one_role() -> None:
 def _log_to_full_device(dropped: Callable[[], None], *events: str) -> None:
     """Log `events` where every write fails: /dev/full refuses them (ENOSPC), as a full
     disk under a service's log does."""
-    full = open("/dev/full", "w")  # noqa: SIM115 (closed below, whatever its buffer holds)
-    tm.configure_logging("info", file=full, dropped=dropped)
-    try:
-        for event in events:
-            structlog.get_logger("test").error(event, fragment=0)
-    finally:
-        tm.configure_logging("info")
-        with contextlib.suppress(OSError):  # what it buffered cannot be written either
-            full.close()
+    saved = structlog.get_config()
+    with open("/dev/full", "w") as full:
+        tm.configure_logging("info", file=full, dropped=dropped)
+        try:
+            for event in events:
+                structlog.get_logger("test").error(event, fragment=0)
+        finally:
+            structlog.configure(**saved)  # the other tests' logging, as it was
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
 def test_a_log_line_that_cannot_be_written_is_dropped_and_counted() -> None:
     # The code that logged goes on, and each line is counted.
     dropped: list[int] = []
     _log_to_full_device(lambda: dropped.append(1), "tensor_store_write_failed", "again")
+    assert dropped == [1, 1]
+    # Written whole where it can be, each line once, and in memory too.
+    saved, lines = structlog.get_config(), io.StringIO()
+    tm.configure_logging("info", file=lines, dropped=lambda: dropped.append(1))
+    try:
+        structlog.get_logger("test").info("kept", fragment=1)
+    finally:
+        structlog.configure(**saved)
+    assert [json.loads(line)["event"] for line in lines.getvalue().splitlines()] == ["kept"]
     assert dropped == [1, 1]
     # The services count into Prometheus.
     before = tm.LOG_LINES_DROPPED._value.get()
