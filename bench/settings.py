@@ -19,7 +19,8 @@ class _Output(BaseModel):
 
 class SynchronizerBench(_Output):
     """Ingest of 3 learners streaming int8 updates, against raw gRPC streaming of the same
-    bytes and against Redis alone storing them; and the CPU each MB cost every part."""
+    bytes (on one stream, and one call per update) and against Redis alone storing them;
+    and the CPU each MB cost every part."""
 
     clients: int = Field(3, ge=1, le=16, description="concurrent learner clients")
     seconds: float = Field(10.0, gt=0.0, description="seconds each measurement streams")

@@ -5,7 +5,9 @@ protocol client) stream 4 MiB int8 updates of one fragment to a real synchronize
 process, a real Redis), each waiting for RECEIVED acks with a few updates outstanding:
 first with rounds held open (`ratio`), then with rounds merging at the default cadence
 (`merging_ratio`). Then the same clients stream the same bytes, in the same chunks, to a bare
-gRPC sink process that only counts them and acks (raw). Last, the same payloads written
+gRPC sink process that only counts them and acks (raw): on one long stream per client, and
+again with one call per payload as Ingest makes (`raw_per_call_mb_s`: what the calls alone
+cost, beside what the replica does with their bytes). Last, the same payloads written
 straight into a fresh Redis, one SET each, as the first design stored every update: that
 ceiling (`store_ratio`) is what data plane v2 left behind.
 
@@ -168,7 +170,13 @@ def measure_ingest(
             sync.stop()
 
 
-def measure_raw(workdir: Path, clients: int, seconds: float, payload_bytes: int) -> Measured:
+def measure_raw(
+    workdir: Path, clients: int, seconds: float, payload_bytes: int, per_call: bool = False
+) -> Measured:
+    """Payload MB/s into the raw sink: each client streaming payloads on one call, IN_FLIGHT
+    acks outstanding; or, `per_call`, IN_FLIGHT calls of one payload each at a time."""
+    workdir = workdir / ("raw-per-call" if per_call else "raw")
+    workdir.mkdir()
     port_file = workdir / "sink.ports"
     sink = Child(
         "raw-sink",
@@ -206,7 +214,27 @@ def measure_raw(workdir: Path, clients: int, seconds: float, payload_bytes: int)
             channel.close()
             return sent
 
-        return _run_clients(clients, seconds, stream, {"raw_sink": sink.pid})
+        def calls(_: int, deadline: float) -> int:
+            channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+            call = channel.stream_stream(RAW_METHOD, None, None)
+            sent = [0] * IN_FLIGHT
+
+            def one(k: int) -> None:
+                metadata = (("payload-bytes", str(payload_bytes)),)
+                while time.monotonic() < deadline:
+                    for _ in call(iter(chunks), metadata=metadata):
+                        sent[k] += payload_bytes
+
+            threads = [threading.Thread(target=one, args=(k,)) for k in range(IN_FLIGHT)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            channel.close()
+            return sum(sent)
+
+        body = calls if per_call else stream
+        return _run_clients(clients, seconds, body, {"raw_sink": sink.pid})
     finally:
         sink.stop()
 
@@ -268,6 +296,9 @@ def run(settings: SynchronizerBench) -> None:
         ingest = measure_ingest(workdir, settings.clients, settings.seconds, n)
         merging = measure_ingest(workdir, settings.clients, settings.seconds, n, merging=True)
         raw = measure_raw(workdir, settings.clients, settings.seconds, payload_bytes)
+        raw_calls = measure_raw(
+            workdir, settings.clients, settings.seconds, payload_bytes, per_call=True
+        )
         store = measure_store(workdir, settings.clients, settings.seconds, payload_bytes)
     result = {
         "clients": settings.clients,
@@ -278,12 +309,14 @@ def run(settings: SynchronizerBench) -> None:
         "ratio": round(ingest.mb_s / raw.mb_s, 3) if raw.mb_s else 0.0,
         "merging_mb_s": round(merging.mb_s, 2),
         "merging_ratio": round(merging.mb_s / raw.mb_s, 3) if raw.mb_s else 0.0,
+        "raw_per_call_mb_s": round(raw_calls.mb_s, 2),
         "store_mb_s": round(store, 2),
         "store_ratio": round(ingest.mb_s / store, 3) if store else 0.0,
         "cpu_ms_per_mb": {
             "held_open": ingest.cpu_ms_per_mb,
             "merging": merging.cpu_ms_per_mb,
             "raw": raw.cpu_ms_per_mb,
+            "raw_per_call": raw_calls.cpu_ms_per_mb,
         },
     }
     print(json.dumps(result, indent=2))
