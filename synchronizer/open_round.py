@@ -33,22 +33,27 @@ def _drop(by: dict[str, list[U]], update: U) -> None:
 class OpenRound(Generic[U]):
     def __init__(self) -> None:
         self.members: list[U] = []  # received into the open round, in order
-        self.in_flight: set[U] = set()  # summing, not received yet
         self._members: dict[str, list[U]] = {}
-        self._in_flight: dict[str, list[U]] = {}
+        self._in_flight: dict[str, list[U]] = {}  # summing, not received yet
+
+    @property
+    def in_flight(self) -> set[U]:
+        """The updates streaming in (summing, not received yet)."""
+        return {u for mine in self._in_flight.values() for u in mine}
+
+    def _streaming(self, update: U) -> bool:
+        return update in self._in_flight.get(update.learner, ())
 
     def stream(self, update: U) -> None:
         """An update began: its chunks are summed as they come."""
-        if update not in self.in_flight:
-            self.in_flight.add(update)
+        if not self._streaming(update):
             self._in_flight.setdefault(update.learner, []).append(update)
 
     def drop(self, update: U) -> bool:
         """An update streaming in will not be received (or was, elsewhere): whether it was
         streaming in."""
-        if update not in self.in_flight:
+        if not self._streaming(update):
             return False
-        self.in_flight.discard(update)
         _drop(self._in_flight, update)
         return True
 

@@ -777,9 +777,9 @@ class FragmentOwner:
         """Close the round: its members and sum. Updates still arriving belong to the next
         round from now on; their chunks summed so far move there (queued on the worker
         before the merge's own job)."""
-        members, sealed = self.open.members, self.current
+        sealed = self.current
         self.current = self.rule.new(self.size, self.segments)
-        self.open.seal()  # once the next round's sum is made: a failure leaves the round
+        members = self.open.seal()  # once the next sum is made: a failure leaves the round
         for update in self.open.in_flight:
             if update.accumulator is sealed:
                 update.accumulator = self.current
