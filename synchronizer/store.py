@@ -398,6 +398,7 @@ class ControlStore:
                 incarnation,
                 "" if generation is None else generation,
                 SEEN_TTL_S,
+                learner,
             ],
         )
         return _s(reply[0]), int(reply[1])

@@ -14,7 +14,8 @@
 -- owner (`own.lua` counts them then): nobody is left to send them again.
 -- KEYS: frag, owner, round, seen, stats, orphans
 -- ARGV: replica, epoch, uid, seq, checksum, base_version, max_staleness, record_json,
---       incarnation, generation ('': not looked up; 0: the slot never said hello), ttl_s
+--       incarnation, generation ('': not looked up; 0: the slot never said hello), ttl_s,
+--       learner (the slot)
 -- Returns: {status, version}: received | duplicate (committed already) | again (received
 --   under this epoch already) | checksum (a retry with other bytes) | not_owner |
 --   uninitialized | future | stale (not for a resend of an update received under an earlier
@@ -36,8 +37,6 @@ if holder ~= ARGV[9] then
   -- The older incarnation's updates received under an earlier epoch died with their round,
   -- and it can no longer send them again: counted (`atoll up`'s report), then let go.
   if holder then
-    -- The slot's uids are `learner/incarnation/seq`: this update's, less its two last parts.
-    local learner = string.sub(ARGV[3], 1, #ARGV[3] - #ARGV[9] - #ARGV[4] - 2)
     local dropped = 0
     local records = redis.call('HGETALL', KEYS[4])
     for i = 1, #records, 2 do
@@ -45,7 +44,7 @@ if holder ~= ARGV[9] then
       if state == 'r' and tonumber(epoch) < tonumber(ARGV[2]) then
         dropped = dropped + 1
       elseif state == 'r' then
-        redis.call('SADD', KEYS[6], learner .. '/' .. holder .. '/' .. records[i])
+        redis.call('SADD', KEYS[6], ARGV[12] .. '/' .. holder .. '/' .. records[i])
       end
     end
     if dropped > 0 then redis.call('HINCRBY', KEYS[5], 'updates_dropped', dropped) end
