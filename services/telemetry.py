@@ -66,16 +66,16 @@ class _Lines:
         try:
             if self.file is None:
                 raise OSError("no file to log to")
-            line = (message + "\n").encode()
+            line = message + "\n"
             with self.lock:
                 try:
                     fd = self.file.fileno()
                 except (OSError, AttributeError, ValueError):  # in memory: no descriptor
-                    self.file.write(line.decode())
+                    self.file.write(line)
                     self.file.flush()
                     return
                 self.file.flush()  # whatever others printed to it first
-                view = memoryview(line)
+                view = memoryview(line.encode())
                 while view:
                     view = view[os.write(fd, view) :]
         except (OSError, ValueError):  # ValueError: the file was closed
