@@ -201,17 +201,34 @@ class Fused:
     decode: Callable[[np.ndarray, np.ndarray, np.ndarray, int], None]
     move: Callable[[np.ndarray, np.ndarray, np.float32, np.ndarray, np.ndarray, int], None]
     squares: Callable[[np.ndarray, np.ndarray, int, int], float]  # `into`'s, adding nothing
+    # `into` of several chunks of one range at once (kernels.int8_into_many)
+    into_many: Callable[..., None]
     codes: type[np.integer]  # what the packed body is read as
 
 
+@dataclass(frozen=True)
+class Ready:
+    """A chunk's payload checked for `Blockwise.decode_many`, at the weight it is added."""
+
+    weight: float
+    scales: np.ndarray
+    codes: np.ndarray  # the packed body, as the codec's compiled kernels read it
+
+
 INT8_FUSED = Fused(
-    kernels.int8_into, kernels.int8_decode, kernels.int8_move, kernels.int8_squares, np.int8
+    kernels.int8_into,
+    kernels.int8_decode,
+    kernels.int8_move,
+    kernels.int8_squares,
+    kernels.int8_into_many,
+    np.int8,
 )
 NIBBLE_FUSED = Fused(
     kernels.nibble_into,
     kernels.nibble_decode,
     kernels.nibble_move,
     kernels.nibble_squares,
+    kernels.nibble_into_many,
     np.uint8,
 )
 
@@ -312,6 +329,56 @@ class Blockwise:
         a, b = target(src, offset, count, self.what), target(dst, offset, count, self.what)
         fused.move(a, b, np.float32(weight), body.view(fused.codes), scales, block_size)
         return True
+
+    def ready(
+        self,
+        acc: np.ndarray,
+        weight: float,
+        offset: int,
+        count: int,
+        payload: Payload,
+        block_size: int,
+        limit: float = FLOAT32_MAX,
+        max_squares: float = math.inf,
+    ) -> Ready | None:
+        """A payload checked as `decode_into` checks it before adding anything, to be summed
+        with other chunks of its range (`decode_many`); CodecError as `decode_into` raises
+        it. None where it must go alone through `decode_into`: the codec has no compiled
+        path for `block_size`, or its scales allow more than `max_squares` (its squares are
+        then summed before anything is added)."""
+        fused = self._fused(block_size)
+        if fused is None:
+            return None
+        scales, body = self.parts(payload, count, block_size)
+        target(acc, offset, count, self.what)
+        largest = float(scales.max()) * self.largest_level if scales.size else 0.0
+        check_limit(largest, weight, limit, self.what)
+        if math.isfinite(max_squares):
+            scales64 = scales.astype(np.float64)
+            most = float(np.dot(scales64, scales64)) * block_size * self.largest_level**2
+            if most > max_squares:
+                return None
+        return Ready(weight, scales, body.view(fused.codes))
+
+    def decode_many(
+        self, acc: np.ndarray, offset: int, count: int, block_size: int, chunks: list[Ready]
+    ) -> list[float]:
+        """`decode_into` of each chunk of one range in turn (each `ready` for it), bit for
+        bit, in compiled passes that read and write each block of the sum once for up to
+        kernels.MANY chunks. Their sums of squares, in order."""
+        fused = self._fused(block_size)
+        assert fused is not None, "decode_many of chunks no compiled path sums"
+        whole = target(acc, offset, count, self.what)
+        squares: list[float] = []
+        for start in range(0, len(chunks), kernels.MANY):
+            some = chunks[start : start + kernels.MANY]
+            ws = np.array([c.weight for c in some], np.float32)
+            scales = np.stack([c.scales for c in some])
+            out = np.zeros(kernels.MANY)
+            codes = kernels.readonly_many([c.codes for c in some])
+            fused.into_many(whole, ws, codes, scales, block_size, len(some), out)
+            squares.extend(float(x) for x in out[: len(some)])
+        return squares
 
     def decode_into(
         self,

@@ -47,6 +47,7 @@ from services.blockwise import MAX_BLOCK_SIZE as MAX_BLOCK_SIZE
 from services.blockwise import CodecError as CodecError
 from services.blockwise import OverSquares as OverSquares
 from services.blockwise import Payload as Payload
+from services.blockwise import Ready as Ready
 from services.gen.atoll.v1 import fragment_pb2
 
 FLOAT32_TINY = np.float32(np.finfo(np.float32).tiny)  # the smallest normal float32
@@ -400,6 +401,39 @@ class Codec:
         check_squares(squares, max_squares)
         kernels.add_weighed(part, values, np.float32(weight))
         return squares
+
+    def ready(
+        self,
+        acc: np.ndarray,
+        weight: float,
+        segment: Segment,
+        block_size: int,
+        limit: float = FLOAT32_MAX,
+        max_squares: float = math.inf,
+    ) -> Ready | None:
+        """A segment checked as `decode_into` checks it before adding anything, to be summed
+        with other segments of its range by `decode_many`; CodecError as `decode_into`
+        raises it. None where it goes alone through `decode_into` (Blockwise.ready)."""
+        if self.blockwise is None:
+            return None
+        return self.blockwise.ready(
+            acc,
+            weight,
+            segment.offset,
+            segment.count,
+            segment.data,
+            block_size,
+            limit,
+            max_squares,
+        )
+
+    def decode_many(
+        self, acc: np.ndarray, offset: int, count: int, block_size: int, chunks: list[Ready]
+    ) -> list[float]:
+        """`decode_into` of each `ready` segment of one range in turn, bit for bit, reading
+        and writing the sum once for several (Blockwise.decode_many); their sums of squares."""
+        assert self.blockwise is not None, "decode_many of a codec without ready segments"
+        return self.blockwise.decode_many(acc, offset, count, block_size, chunks)
 
     def decode_checked(
         self, segment: Segment, block_size: int, weight: float, limit: float = FLOAT32_MAX

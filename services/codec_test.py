@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from services import codec as codecs
+from services import kernels
 
 
 @pytest.fixture
@@ -341,6 +342,64 @@ def test_decode_into_adds_what_decoding_then_weighing_adds_bit_for_bit(
             shifted = codecs.Segment(s.offset + 5, s.count, s.data)
             assert codec.decode_into(acc, weight, shifted, block) == pytest.approx(squares, 1e-5)
         assert acc.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("name", sorted(codecs.REGISTRY))
+@pytest.mark.parametrize(("n", "block"), [(1, 64), (1001, 64), (1001, 3), (70_001, 256)])
+@pytest.mark.parametrize("many", [1, 3, kernels.MANY + 3])
+def test_chunks_of_one_range_summed_together_are_decode_into_each_in_turn_bit_for_bit(
+    name: str, n: int, block: int, many: int
+) -> None:
+    """decode_many of chunks `ready` for one range (several learners' updates), in passes of
+    up to kernels.MANY, leaves the sum and returns the squares decode_into of each in turn
+    would; ready is None where the codec has no compiled path for the block size."""
+    codec = codecs.by_name(name)
+    if codec.name in ("int4", "int4-uniform") and block % 2:
+        block = 64  # 4-bit codes need blocks of whole bytes to encode at all
+    rng = np.random.default_rng(n + many)
+    payloads = []
+    for _ in range(many):
+        x = rng.standard_t(3, size=n).astype(np.float32)
+        x[: min(n, block)] = 0.0
+        payloads.append(bytes(codec.encode(x, block)))
+    weights = [float(w) for w in rng.uniform(0.01, 3.0, size=many)]
+    acc = rng.normal(size=n + 5).astype(np.float32)
+    want = acc.copy()
+    want_squares = [
+        codec.decode_into(want, w, codecs.Segment(5, n, p), block)
+        for w, p in zip(weights, payloads, strict=True)
+    ]
+    ready = [
+        codec.ready(acc, w, codecs.Segment(5, n, p), block)
+        for w, p in zip(weights, payloads, strict=True)
+    ]
+    compiled = codec.blockwise is not None and codec.blockwise.fused is not None
+    if not (compiled and block % codec.blockwise.per_byte == 0):  # type: ignore[union-attr]
+        assert all(r is None for r in ready)
+        return
+    chunks = [r for r in ready if r is not None]
+    assert codec.decode_many(acc, 5, n, block, chunks) == want_squares
+    assert acc.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_chunk_is_ready_only_once_checked_as_decode_into_checks_it(name: str) -> None:
+    """ready refuses what decode_into refuses (nothing added), and leaves to decode_into a
+    chunk whose squares must be summed before anything is added (its budget is near)."""
+    codec = codecs.by_name(name)
+    x = np.random.default_rng(5).normal(size=512).astype(np.float32)
+    segment = codecs.Segment(0, 512, bytes(codec.encode(x, 64)))
+    acc = np.zeros(512, np.float32)
+    with pytest.raises(codecs.CodecError, match="could reach"):
+        codec.ready(acc, 3.0, segment, 64, limit=1e-3)
+    with pytest.raises(codecs.CodecError, match="outside"):
+        codec.ready(np.zeros(100, np.float32), 1.0, segment, 64)
+    with pytest.raises(codecs.CodecError):
+        codec.ready(acc, 1.0, codecs.Segment(0, 512, segment.data[:-1]), 64)
+    squares = codec.decode_into(np.zeros(512, np.float32), 1.0, segment, 64)
+    assert codec.ready(acc, 1.0, segment, 64, max_squares=1.01 * squares) is None
+    assert codec.ready(acc, 1.0, segment, 64, max_squares=1e6 * squares) is not None
+    assert not acc.any()
 
 
 @pytest.mark.parametrize("name", sorted(codecs.REGISTRY))

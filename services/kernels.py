@@ -52,6 +52,52 @@ def int8_into(
     return squares
 
 
+# Chunks one call of an `*_into_many` kernel sums at most: its codes come in a tuple of
+# this many arrays (the ones past `used` repeat the first), so each kernel compiles once.
+MANY = 8
+
+
+def readonly_many(arrays: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """The arrays of an `*_into_many` call as one type (read-only views), MANY of them."""
+    views = []
+    for array in arrays:
+        view = array.view()
+        view.flags.writeable = False
+        views.append(view)
+    return tuple(views + [views[0]] * (MANY - len(views)))
+
+
+@_kernel
+def int8_into_many(
+    acc: np.ndarray,
+    ws: np.ndarray,
+    codes: tuple[np.ndarray, ...],
+    scales: np.ndarray,
+    bs: int,
+    used: int,
+    squares: np.ndarray,
+) -> None:
+    """int8_into of chunks 0..used-1 of one range in turn, block by block: each block of
+    `acc` is read and written once for all of them, not once each. Per value the same
+    float32 operations in the same order as int8_into chunk after chunk, so bit for bit
+    its sum; squares[k] += chunk k's sum of squares, summed as int8_into sums it."""
+    n = acc.size
+    for b in range(scales.shape[1]):
+        lo = b * bs
+        hi = min(lo + bs, n)
+        a = acc[lo:hi]
+        for k in range(used):
+            s = scales[k, b]
+            w = ws[k]
+            c = codes[k][lo:hi]
+            total = np.int32(0)
+            for i in range(hi - lo):
+                level = np.int32(c[i])
+                total += level * level
+                a[i] += (np.float32(level) * s) * w
+            squares[k] += np.float64(s) * np.float64(s) * np.float64(total)
+
+
 @_kernel
 def int8_decode(out: np.ndarray, codes: np.ndarray, scales: np.ndarray, bs: int) -> None:
     n = out.size
@@ -98,6 +144,48 @@ def nibble_into(
         acc[n - 1] += (np.float32(level) * s) * w
         squares += np.float64(s) * np.float64(s) * np.float64(level * level)
     return squares
+
+
+@_kernel
+def nibble_into_many(
+    acc: np.ndarray,
+    ws: np.ndarray,
+    bodies: tuple[np.ndarray, ...],
+    scales: np.ndarray,
+    bs: int,
+    used: int,
+    squares: np.ndarray,
+) -> None:
+    """int8_into_many for 4-bit codes two a byte: nibble_into of each chunk in turn, bit for
+    bit, each block of `acc` read and written once for all of them."""
+    n = acc.size
+    pairs = n // 2
+    half = bs // 2
+    for b in range(scales.shape[1]):
+        lo = b * half
+        hi = min(lo + half, pairs)
+        if hi <= lo:
+            break
+        a = acc[2 * lo : 2 * hi]
+        for k in range(used):
+            s = scales[k, b]
+            w = ws[k]
+            c = bodies[k][lo:hi]
+            total = np.int32(0)
+            for j in range(hi - lo):
+                byte = np.int32(c[j])
+                first = (byte & 15) - 8
+                second = (byte >> 4) - 8
+                total += first * first + second * second
+                a[2 * j] += (np.float32(first) * s) * w
+                a[2 * j + 1] += (np.float32(second) * s) * w
+            squares[k] += np.float64(s) * np.float64(s) * np.float64(total)
+    if n % 2:
+        for k in range(used):
+            level = (np.int32(bodies[k][pairs]) & 15) - 8
+            s = scales[k, (n - 1) // bs]
+            acc[n - 1] += (np.float32(level) * s) * ws[k]
+            squares[k] += np.float64(s) * np.float64(s) * np.float64(level * level)
 
 
 @_kernel
@@ -277,6 +365,9 @@ def warm() -> None:
     float32_squares(values)
     float32_squares(unaligned)
     int8_squares(payload.view(np.int8), scales, 2, 4)
+    ws, squares, table = np.ones(MANY, np.float32), np.zeros(MANY), np.ones((1, 2), np.float32)
+    int8_into_many(acc, ws, readonly_many([payload.view(np.int8)]), table, 2, 1, squares)
+    nibble_into_many(acc, ws, readonly_many([payload]), table, 2, 1, squares)
     nibble_squares(payload, scales, 2, 4)
     one, none = np.float32(1), np.zeros(0, np.float32)
     out = np.zeros(12, np.uint8)

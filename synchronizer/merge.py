@@ -16,7 +16,7 @@ from typing import ClassVar
 import numpy as np
 
 from services.blockwise import check_squares
-from services.codec import Codec, Segment
+from services.codec import Codec, Ready, Segment
 
 
 def token_weight(c_tokens: int, c_steps: int) -> float:
@@ -84,6 +84,8 @@ class Accumulator:
     taken_out: float = field(default=0.0, init=False, compare=False)
     # Whether a chunk moves to another sum in one compiled pass (`move_encoded`).
     compiled_moves: ClassVar[bool] = True
+    # Whether chunks of one range are summed several at once (`ready_encoded`, `add_many`).
+    sums_together: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.total = np.zeros(self.size, np.float32)
@@ -118,6 +120,29 @@ class Accumulator:
         could pass `limit`; OverSquares, the sum untouched, for values whose sum of squares
         passes `max_squares`."""
         return codec.decode_into(self.total, weight, segment, block_size, limit, max_squares)
+
+    def ready_encoded(
+        self,
+        segment: Segment,
+        codec: Codec,
+        block_size: int,
+        weight: float,
+        limit: float,
+        max_squares: float = math.inf,
+    ) -> Ready | None:
+        """`add_encoded`'s checks of one chunk, nothing added: CodecError as it raises it.
+        The chunk is then added with others of its range by `add_many`. None where it goes
+        alone through `add_encoded` (Codec.ready)."""
+        if not self.sums_together:
+            return None
+        return codec.ready(self.total, weight, segment, block_size, limit, max_squares)
+
+    def add_many(
+        self, offset: int, count: int, codec: Codec, block_size: int, chunks: list[Ready]
+    ) -> list[float]:
+        """`add_encoded` of each `ready_encoded` chunk of one range in turn, bit for bit,
+        each block of the sum read and written once for several; their sums of squares."""
+        return codec.decode_many(self.total, offset, count, block_size, chunks)
 
     def took_out(self, weight: float) -> None:
         """A chunk summed at `weight` left this sum again (refused, or moved on)."""
@@ -177,6 +202,7 @@ class RadialAccumulator(Accumulator):
     norm_sum: np.ndarray = field(init=False)
     direction_norms: np.ndarray = field(init=False)
     compiled_moves: ClassVar[bool] = False  # each tensor's part is scaled by its own factor
+    sums_together: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -5,9 +5,11 @@ One replica owns a fragment at a time (a lease with a fencing epoch, `ownership.
 owner holds the fragment's value, optimizer state and downlink residual in memory, and two
 accumulators at most (the round being merged, and the next one that updates arriving during
 the merge go to), whatever the number of learners. A chunk is decoded and summed on the
-fragment's own worker thread (numpy releases the GIL) while the next one arrives. An update is
-recorded in Redis only once all its chunks are summed and checked; one refused after summing
-is taken out again.
+fragment's own worker thread (compiled kernels release the GIL) while the next one arrives;
+chunks of one range queued there together are summed in one pass that reads and writes the
+sum once for all of them (`_add_many`), leaving the bits those chunks one after another
+leave. An update is recorded in Redis only once all its chunks are summed and checked; one
+refused after summing is taken out again.
 """
 
 from __future__ import annotations
@@ -80,6 +82,30 @@ class NormTooLarge(ValueError):
     def __init__(self, message: str, norm: float | None = None) -> None:
         super().__init__(message)
         self.norm = norm
+
+
+def _apart(ranges: list[tuple[int, int, int, str, int]]) -> bool:
+    """Whether ranges (sum, offset, count, codec, block size) of one sum, each different,
+    share no value: summing them in any order gives the same bits."""
+    ends: dict[int, int] = {}
+    for target, offset, count, _, _ in sorted(ranges, key=lambda r: (r[0], r[1])):
+        if offset < ends.get(target, 0):
+            return False
+        ends[target] = offset + count
+    return True
+
+
+def _outcome(
+    fn: Callable[[Update, codecs.Segment, Accumulator], None],
+    update: Update,
+    segment: codecs.Segment,
+    target: Accumulator,
+) -> BaseException | None:
+    try:
+        fn(update, segment, target)
+    except Exception as err:
+        return err
+    return None
 
 
 class OwnerLost(RuntimeError):
@@ -413,8 +439,8 @@ class FragmentOwner:
         if not update.arrived:
             update.first_at, update.first_values = time.monotonic(), count
         update.arrived += count
-        return asyncio.get_running_loop().run_in_executor(
-            self.worker, self._add, update, offset, count, data
+        return asyncio.wrap_future(
+            self.worker.together(self._add_many, update, offset, count, data)
         )
 
     # The chunk records and the sums are touched on the worker thread only, one job at a
@@ -422,13 +448,89 @@ class FragmentOwner:
     # the event loop only. A chunk is summed into the round its update belongs to when the
     # job runs, and its record says which that was.
     def _add(self, update: Update, offset: int, count: int, data: codecs.Payload) -> None:
-        if update.abandoned:  # taken out already, or about to be: nothing more of it
+        """One chunk as `add` sums it, on the calling thread: CodecError or NormTooLarge."""
+        (outcome,) = self._add_many([(update, offset, count, data)])
+        if outcome is not None:
+            raise outcome
+
+    def _add_many(
+        self, jobs: Sequence[tuple[Update, int, int, codecs.Payload]]
+    ) -> list[BaseException | None]:
+        """Chunks queued one after another (`add`), in one go: each hashed in arrival order,
+        then summed, those of one range into one sum several at once (Accumulator.add_many).
+        Bit for bit the sums chunk after chunk make: the ranges are taken in ascending order
+        (an update's chunks come so), and only where the ranges of one sum are the same or
+        apart; else chunk after chunk. A chunk's outcome: None, or why it was refused."""
+        outcomes: list[BaseException | None] = [None] * len(jobs)
+        live: list[tuple[int, Update, codecs.Segment, Accumulator]] = []
+        for i, (update, offset, count, data) in enumerate(jobs):
+            if update.abandoned:  # taken out already, or about to be: nothing more of it
+                continue
+            update.hasher.update(data)
+            # A provisional update is summed apart, at the weight it claims, until its
+            # weight is known (`_sum_provisional`).
+            live.append((i, update, codecs.Segment(offset, count, data), self._sum_for(update)))
+        ranges: dict[tuple[int, int, int, str, int], list[int]] = {}
+        for k, (_, update, segment, target) in enumerate(live):
+            key = (id(target), segment.offset, segment.count, update.codec.name, update.block_size)
+            ranges.setdefault(key, []).append(k)
+        if not _apart(list(ranges)):
+            for i, update, segment, target in live:
+                outcomes[i] = _outcome(self._summed, update, segment, target)
+            return outcomes
+        for key in sorted(ranges, key=lambda key: key[1]):
+            ready: list[tuple[int, Update, codecs.Segment, codecs.Ready]] = []
+            for k in ranges[key]:
+                i, update, segment, target = live[k]
+                budget = update.norm_bound**2 - update.squares
+                try:
+                    one = target.ready_encoded(
+                        segment,
+                        update.codec,
+                        update.block_size,
+                        update.weight,
+                        MAX_WEIGHTED_VALUE,
+                        budget,
+                    )
+                except codecs.CodecError as err:
+                    outcomes[i] = err
+                    continue
+                if one is None:  # alone, in its place
+                    self._summed_together(ready, target, outcomes)
+                    outcomes[i] = _outcome(self._summed, update, segment, target)
+                else:
+                    ready.append((i, update, segment, one))
+            self._summed_together(ready, live[ranges[key][0]][3], outcomes)
+        return outcomes
+
+    def _summed_together(
+        self,
+        ready: list[tuple[int, Update, codecs.Segment, codecs.Ready]],
+        target: Accumulator,
+        outcomes: list[BaseException | None],
+    ) -> None:
+        """Sum chunks of one range, each checked for it (`ready_encoded`), into `target`."""
+        if not ready:
             return
-        update.hasher.update(data)
-        segment = codecs.Segment(offset, count, data)
-        # A provisional update is summed apart, at the weight it claims, until its weight is
-        # known (`_sum_provisional`).
-        target = self._sum_for(update)
+        _, first, segment, _ = ready[0]
+        squares = target.add_many(
+            segment.offset, segment.count, first.codec, first.block_size, [r for *_, r in ready]
+        )
+        for (i, update, segment, _), sq in zip(ready, squares, strict=True):
+            bound = update.norm_bound
+            if not math.isfinite(sq) or update.squares + sq > bound * bound:
+                # The budget's last rounding (the scales allowed it): taken out after the
+                # chunks summed with it, not before them; no float32 bits of theirs differ
+                # but those of values this one's rounding touched.
+                self._sum(update, target, segment, -update.weight)
+                outcomes[i] = self._refusal(update, sq)
+                continue
+            update.squares += sq
+            update.chunks.append(Chunk(segment, target))
+        ready.clear()
+
+    def _summed(self, update: Update, segment: codecs.Segment, target: Accumulator) -> None:
+        """Sum one hashed chunk of `update` into `target`, unless its norm is over the bound."""
         bound = update.norm_bound
         try:
             # Refused before any of it is added: values far over the bound, added and taken

@@ -405,3 +405,71 @@ def test_a_chunk_over_the_norm_bound_is_refused_before_it_touches_the_sum(
         assert owner.current.total.tobytes() == before.tobytes()
         assert owner.current.taken_out == 0.0  # nothing of it was in to take out
     owner.close()
+
+
+@pytest.mark.parametrize("chunking", ["same", "overlapping"])
+def test_chunks_summed_together_leave_what_summing_one_after_another_leaves(
+    tmp_path: Path, chunking: str
+) -> None:
+    """A run of queued chunks summed in one go (`_add_many`): several updates' chunks of
+    one range at once, one taken alone for its near budget, a corrupt one and one over its
+    norm bound refused, an abandoned one skipped. The sum, each update's squares, hash and
+    chunks, and each outcome are those of `_add` chunk after chunk, also where another
+    chunking overlaps the ranges (then summed one after another)."""
+    size, rng = 1000, np.random.default_rng(3)
+    codec = codecs.by_name("int4")
+    xs = [rng.normal(size=size).astype(np.float32) for _ in range(5)]
+    steps = [400] * 5 if chunking == "same" else [400, 400, 300, 400, 400]
+
+    def jobs(owner: FragmentOwner) -> tuple[list[Update], list[tuple[Update, int, int, bytes]]]:
+        updates = [
+            Update(f"l{k}", "i", 1, 0, 10, 100, 1.0, 0.5 + k, (1.0,), codec, 64, owner.current)
+            for k in range(5)
+        ]
+        exact = codec.decode_into(
+            np.zeros(size, np.float32),
+            1.0,
+            codecs.Segment(0, size, bytes(codec.encode(xs[1], 64))),
+            64,
+        )
+        updates[1].norm_bound = math.sqrt(1.2 * exact)  # near: its squares summed first
+        updates[3].norm_bound = 1e-3  # over
+        updates[4].abandoned = True
+        out: list[tuple[Update, int, int, bytes]] = []
+        per = [
+            codecs.encode_segments(codec, x, 64, step)[0] for x, step in zip(xs, steps, strict=True)
+        ]
+        for i in range(max(len(p) for p in per)):  # chunk i of each, in turn
+            for k, p in enumerate(per):
+                if i < len(p):
+                    s = p[i]
+                    data = bytes(s.data)
+                    if k == 0 and i == 1:
+                        data = data[:-1]  # corrupt
+                    out.append((updates[k], s.offset, s.count, data))
+        return updates, out
+
+    one, many = _owner(tmp_path / "one", size), _owner(tmp_path / "many", size)
+    one_updates, one_jobs = jobs(one)
+    want: list[type | None] = []
+    for job in one_jobs:
+        try:
+            one._add(*job)
+            want.append(None)
+        except Exception as err:
+            want.append(type(err))
+    many_updates, many_jobs = jobs(many)
+    got = [type(o) if o is not None else None for o in many._add_many(many_jobs)]
+    assert got == want
+    assert codecs.CodecError in want
+    assert NormTooLarge in want
+    assert many.current.total.tobytes() == one.current.total.tobytes()
+    assert many.current.total.any()
+    for a, b in zip(one_updates, many_updates, strict=True):
+        assert a.squares == b.squares
+        assert a.hasher.intdigest() == b.hasher.intdigest()
+        assert [(c.segment.offset, c.segment.count) for c in a.chunks] == [
+            (c.segment.offset, c.segment.count) for c in b.chunks
+        ]
+    one.close()
+    many.close()

@@ -4,6 +4,10 @@ ahead of the chunk sums queued before it.
 Chunk sums arrive three at a time per update while a round is open; a merge that waited
 behind them would add their time to its latency. Jobs of each kind still run in the order
 they were submitted, which is what the sums need: an update's chunks, then its take-out.
+
+Jobs queued `together` with one function run in one call of it when several wait in a row
+(up to TOGETHER): the owner sums chunks of one range at once, reading and writing the sum
+once for all of them. They are taken from the queue in the order they would have run.
 """
 
 from __future__ import annotations
@@ -13,15 +17,27 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from typing import Any
 
 _URGENT, _QUEUED, _STOP = 0, 1, 2
+TOGETHER = 32  # jobs one call of a `together` function takes at most
+
+
+@dataclass(frozen=True)
+class _Together:
+    """A job run with the jobs of the same function queued right behind it: `run` takes
+    each job's arguments and returns, per job, its result or the exception it raised."""
+
+    run: Callable[[list[tuple[Any, ...]]], list[Any]]
 
 
 class FragmentWorker(Executor):
     def __init__(self, name: str) -> None:
         self._jobs: queue.PriorityQueue[
-            tuple[int, int, Future[Any] | None, Callable[..., Any] | None, tuple[Any, ...]]
+            tuple[
+                int, int, Future[Any] | None, Callable[..., Any] | _Together | None, tuple[Any, ...]
+            ]
         ] = queue.PriorityQueue()
         self._order = itertools.count()
         self._closed = False
@@ -35,18 +51,29 @@ class FragmentWorker(Executor):
         """Queue a job behind those queued before it (and behind urgent ones)."""
         return self._put(_QUEUED, fn, args, kwargs)
 
+    def together(
+        self, run: Callable[[list[tuple[Any, ...]]], list[Any]], /, *args: Any
+    ) -> Future[Any]:
+        """Queue a job as `submit` does, run in one call of `run` with the jobs of `run` queued
+        right behind it (a result or an exception per job, in order)."""
+        return self._put(_QUEUED, _Together(run), args, {})
+
     def urgent(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]:
         """Queue a job ahead of every queued one, behind urgent ones queued before it."""
         return self._put(_URGENT, fn, args, {})
 
     def _put(
-        self, rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        rank: int,
+        fn: Callable[..., Any] | _Together,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Future[Any]:
         future: Future[Any] = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("the fragment's worker is shut down: it gave the fragment up")
-            call = (lambda: fn(*args, **kwargs)) if kwargs else fn
+            call = (lambda: fn(*args, **kwargs)) if kwargs and callable(fn) else fn
             self._jobs.put((rank, next(self._order), future, call, () if kwargs else args))
         return future
 
@@ -55,14 +82,43 @@ class FragmentWorker(Executor):
             _, _, future, fn, args = self._jobs.get()
             if future is None or fn is None:
                 return
-            if not future.set_running_or_notify_cancel():
-                continue
+            if isinstance(fn, _Together):
+                self._run_together(fn, future, args)
+            elif future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args)
+                except BaseException as err:
+                    future.set_exception(err)
+                else:
+                    future.set_result(result)
+
+    def _run_together(
+        self, together: _Together, future: Future[Any], args: tuple[Any, ...]
+    ) -> None:
+        """Run a `together` job with the like ones queued right behind it. The first other
+        job taken goes back to its place in the queue (its priority and order kept)."""
+        jobs = [(future, args)]
+        while len(jobs) < TOGETHER:
             try:
-                result = fn(*args)
-            except BaseException as err:
-                future.set_exception(err)
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job[3] != together or job[2] is None:
+                self._jobs.put(job)
+                break
+            jobs.append((job[2], job[4]))
+        running = [(f, a) for f, a in jobs if f.set_running_or_notify_cancel()]
+        if not running:
+            return
+        try:
+            results = together.run([a for _, a in running])
+        except BaseException as err:
+            results = [err] * len(running)
+        for (f, _), result in zip(running, results, strict=True):
+            if isinstance(result, BaseException):
+                f.set_exception(result)
             else:
-                future.set_result(result)
+                f.set_result(result)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._lock:

@@ -45,3 +45,42 @@ def test_a_shut_down_worker_cancels_what_is_queued_and_takes_no_more() -> None:
     gate.set()
     assert running.result(10) is True
     worker.shutdown()  # again: nothing to do
+
+
+def test_jobs_queued_together_run_in_one_call_in_their_order_others_keep_their_place() -> None:
+    """Like `together` jobs queued in a row run in one call (each gets its own result or
+    exception); an urgent job queued meanwhile still runs ahead of the queued ones, and a
+    job of another kind ends a run of them."""
+    worker = FragmentWorker("test")
+    gate = threading.Event()
+    calls: list[list[int]] = []
+    ran: list[str] = []
+
+    def many(jobs: list[tuple[int]]) -> list[int | BaseException]:
+        calls.append([j for (j,) in jobs])
+        return [ValueError(j) if j == 2 else 10 * j for (j,) in jobs]
+
+    blocker = worker.submit(gate.wait, 10)
+    first = [worker.together(many, j) for j in range(4)]
+    between = worker.submit(ran.append, "between")
+    second = [worker.together(many, j) for j in range(4, 6)]
+    urgent = worker.urgent(ran.append, "urgent")
+    gate.set()
+    assert [f.result(10) for f in first[:2]] == [0, 10]
+    with pytest.raises(ValueError, match="2"):
+        first[2].result(10)
+    assert first[3].result(10) == 30
+    assert [f.result(10) for f in second] == [40, 50]
+    for f in (blocker, between, urgent):
+        f.result(10)
+    assert ran == ["urgent", "between"]
+    assert calls == [[0, 1, 2, 3], [4, 5]]
+
+    def broken(jobs: list[tuple[int]]) -> list[int]:
+        raise RuntimeError("the whole call")
+
+    failed = [worker.together(broken, j) for j in range(2)]
+    for f in failed:
+        with pytest.raises(RuntimeError, match="whole call"):
+            f.result(10)
+    worker.shutdown()
