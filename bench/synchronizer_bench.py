@@ -1,8 +1,9 @@
 """`atoll bench synchronizer`: how fast one replica ingests updates, against raw gRPC.
 
-Every part runs in this one invocation on the same machine. N clients (the learner's own
-protocol client) stream 4 MiB int8 updates of one fragment to a real synchronizer (its own
-process, a real Redis), each waiting for RECEIVED acks with a few updates outstanding:
+Every part runs in this one invocation on the same machine. N clients, each a process of its
+own as learners are (with a learner's control session), stream 4 MiB int8 updates of one
+fragment to a real synchronizer (its own process, a real Redis), each waiting for RECEIVED
+acks with a few updates outstanding:
 first with rounds held open (`ratio`), then with rounds merging at the default cadence
 (`merging_ratio`). Then the same clients stream the same bytes, in the same chunks, to a bare
 gRPC sink process that only counts them and acks (raw): on one long stream per client, and
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import tempfile
 import threading
 import time
@@ -29,7 +31,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -40,6 +42,7 @@ from cluster.processes import Child, atoll_command, child_env, synchronizer_chil
 from cluster.redis_server import RedisServer
 from learner.client import SynchronizerClient
 from services import codec as codecs
+from services import telemetry as tm
 from services.gen.atoll.v1 import session_pb2
 from services.grpcopts import channel_options, server_options
 from services.layout import LeafSpec
@@ -65,32 +68,193 @@ class Measured:
     cpu_ms_per_mb: dict[str, float]
 
 
-def _run_clients(
-    n: int, seconds: float, body: Callable[[int, float], int], servers: dict[str, int]
-) -> Measured:
-    """Run `body(index, deadline)` in n threads: total payload MB/s, and the CPU ms a MB of
-    each server process (by name: its pid) and of this process's threads (`clients`)."""
-    totals = [0] * n
-    cpu0 = {name: cpu_seconds(pid) for name, pid in servers.items()}
-    clients0 = time.process_time()
-    start = time.monotonic()
-    deadline = start + seconds
+@dataclass(frozen=True)
+class Client:
+    """One client process's part (it crosses to the process: plain data only). `kind`:
+    "ingest" (updates to the fragment's owner at `address`, each a learner of its own,
+    beside a learner's control session with the synchronizer at `session`, which follows
+    the new versions), "raw" (payloads on one stream to the raw sink), "raw_calls" (one
+    call a payload) or "store" (one SET a payload into the Redis at `address`)."""
 
-    def work(i: int) -> None:
-        totals[i] = body(i, deadline)
+    kind: str
+    index: int
+    address: str
+    chunks: tuple[bytes, ...]  # one payload's chunks, as sent
+    payload_bytes: int
+    session: str = ""
+    values: int = 0  # the fragment's values (the control session's parameter spec)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+
+def _run_clients(clients: list[Client], seconds: float, servers: dict[str, int]) -> Measured:
+    """Run each client in a process of its own, as learners are, all streaming for the same
+    `seconds` once every one is ready: total payload MB/s, and the CPU ms a MB of each
+    server process (by name: its pid) and of the client processes together (`clients`)."""
+    context = multiprocessing.get_context("spawn")  # no gRPC state crosses a fork
+    ready, results, go = context.Queue(), context.Queue(), context.Event()
+    processes = [
+        context.Process(target=_client_process, args=(c, seconds, ready, go, results))
+        for c in clients
+    ]
+    for process in processes:
+        process.start()
+    finished = False
+    try:
+        for _ in clients:
+            _answer(ready.get(timeout=120))
+        cpu0 = {name: cpu_seconds(pid) for name, pid in servers.items()}
+        start = time.monotonic()
+        go.set()
+        done = [_answer(results.get(timeout=seconds + 120)) for _ in clients]
+        elapsed = time.monotonic() - start
+        cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in servers.items()}
+        finished = True
+    finally:
+        for process in processes:
+            if not finished:
+                process.kill()
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    mb = sum(sent for sent, _ in done) / 1e6
+    cpu["clients"] = sum(seconds for _, seconds in done)
+    return Measured(
+        mb / elapsed,
+        {name: round(1e3 * seconds / mb, 3) if mb else 0.0 for name, seconds in cpu.items()},
+    )
+
+
+def _answer(message: tuple[str, object]) -> Any:
+    """A client process's message, or its failure raised here."""
+    kind, value = message
+    if kind == "error":
+        raise RuntimeError(f"a benchmark client failed: {value}")
+    return value
+
+
+def _client_process(
+    client: Client,
+    seconds: float,
+    ready: multiprocessing.Queue[tuple[str, object]],
+    go: Any,
+    results: multiprocessing.Queue[tuple[str, object]],
+) -> None:
+    """A client process: ready (its control session said hello), then stream until
+    `seconds` after the go; puts (payload bytes acknowledged, CPU seconds it spent)."""
+    tm.configure_logging("warning", json=False)
+    session = None
+    try:
+        if client.session:
+            session = SynchronizerClient(
+                [client.session],
+                job="default",
+                learner_id=f"bench-{client.index}",
+                incarnation=uuid.uuid4().hex,
+                params=[LeafSpec("fragment", (client.values,))],
+            )
+            session.connect()
+        ready.put(("ready", client.index))
+        go.wait(180)
+        cpu0 = time.process_time()
+        sent = BODIES[client.kind](client, time.monotonic() + seconds)
+        results.put(("done", (sent, time.process_time() - cpu0)))
+    except BaseException as err:  # the parent says so and stops
+        results.put(("error", f"client {client.index} ({client.kind}): {err!r}"))
+        ready.put(("error", f"client {client.index} ({client.kind}): {err!r}"))
+    finally:
+        if session is not None:
+            session.close()
+
+
+def _ingest(client: Client, deadline: float) -> int:
+    """Updates to the owner, IN_FLIGHT calls outstanding: bytes of those acknowledged."""
+    channel = grpc.insecure_channel(client.address, options=channel_options())
+    call = channel.stream_unary(
+        f"/{SERVICE}/Ingest",
+        request_serializer=None,
+        response_deserializer=session_pb2.Ack.FromString,
+    )
+    sent, window, k = 0, [], 0
+    ok = (session_pb2.ACK_STATUS_RECEIVED, session_pb2.ACK_STATUS_COMMITTED)
+    while time.monotonic() < deadline:
+        k += 1
+        tail = session_pb2.UpdateChunk(
+            seq=k, learner_id=f"bench-{client.index}-{k}", incarnation="i"
+        ).SerializeToString()
+        window.append(call.future(iter([c + tail for c in client.chunks]), timeout=60))
+        if len(window) >= IN_FLIGHT:
+            sent += client.payload_bytes if window.pop(0).result().status in ok else 0
+    for f in window:
+        sent += client.payload_bytes if f.result().status in ok else 0
+    channel.close()
+    return sent
+
+
+def _raw(client: Client, deadline: float) -> int:
+    """Payloads on one stream to the raw sink, IN_FLIGHT acks outstanding."""
+    channel = grpc.insecure_channel(client.address, options=channel_options())
+    call = channel.stream_stream(RAW_METHOD, None, None)  # bytes in, bytes out
+    sent = 0
+    acks: list[int] = []
+    lock = threading.Condition()
+
+    def requests() -> Iterator[bytes]:
+        count = 0
+        while time.monotonic() < deadline:
+            with lock:
+                while count - len(acks) >= IN_FLIGHT:
+                    lock.wait(0.1)
+            yield from client.chunks
+            count += 1
+
+    metadata = (("payload-bytes", str(client.payload_bytes)),)
+    for _ in call(requests(), metadata=metadata):
+        with lock:
+            acks.append(1)
+            lock.notify_all()
+        sent += client.payload_bytes
+    channel.close()
+    return sent
+
+
+def _raw_calls(client: Client, deadline: float) -> int:
+    """IN_FLIGHT calls of one payload each at a time to the raw sink."""
+    channel = grpc.insecure_channel(client.address, options=channel_options())
+    call = channel.stream_stream(RAW_METHOD, None, None)
+    sent = [0] * IN_FLIGHT
+
+    def one(k: int) -> None:
+        metadata = (("payload-bytes", str(client.payload_bytes)),)
+        while time.monotonic() < deadline:
+            for _ in call(iter(client.chunks), metadata=metadata):
+                sent[k] += client.payload_bytes
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(IN_FLIGHT)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    mb = sum(totals) / 1e6
-    cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in servers.items()}
-    cpu["clients"] = time.process_time() - clients0
-    return Measured(
-        mb / (time.monotonic() - start),
-        {name: round(1e3 * seconds / mb, 3) if mb else 0.0 for name, seconds in cpu.items()},
-    )
+    channel.close()
+    return sum(sent)
+
+
+def _store(client: Client, deadline: float) -> int:
+    """One SET a payload (its chunks joined) into Redis."""
+    store = redis.Redis.from_url(client.address)
+    payload = b"".join(client.chunks)
+    sent = 0
+    while time.monotonic() < deadline:
+        store.set(f"payload:{client.index}:{sent}", payload)
+        sent += 1
+    store.close()
+    return sent * client.payload_bytes
+
+
+BODIES: dict[str, Callable[[Client, float], int]] = {
+    "ingest": _ingest,
+    "raw": _raw,
+    "raw_calls": _raw_calls,
+    "store": _store,
+}
 
 
 def measure_ingest(
@@ -101,7 +265,9 @@ def measure_ingest(
     the default cadence (decoupled, quorum 1, adaptive grace)."""
     specs = [LeafSpec("fragment", (n,))]
     codec = codecs.by_name("int8")
-    values = np.random.default_rng(0).normal(size=n).astype(np.float32)
+    # An outer gradient's size against a fragment at zero: well inside the norm bound an
+    # update meets before any other learner's has set the scale (owner.REFERENCE_RMS).
+    values = (0.01 * np.random.default_rng(0).normal(size=n)).astype(np.float32)
     segments, _ = codecs.encode_segments(codec, values, 256, DEFAULT_MAX_CHUNK_BYTES)
     payload_bytes = sum(len(s.data) for s in segments)
     rounds = (
@@ -119,55 +285,35 @@ def measure_ingest(
             ["--fragments", "1", "--log-level", "warning", *rounds],
         ).start_and_wait()
         try:
-            conns = [
-                SynchronizerClient(
-                    [sync.address],
-                    job="default",
-                    learner_id=f"bench-{i}",
-                    incarnation=uuid.uuid4().hex,
-                    params=specs,
-                )
-                for i in range(clients)
-            ]
-            for c in conns:
-                c.connect()
-            seq = conns[0].send_initial(0, np.zeros(n, np.float32))
-            conns[0].wait_ack(seq, 60)
-
-            owner = conns[0].owners[0].address
+            first = SynchronizerClient(
+                [sync.address],
+                job="default",
+                learner_id="bench-initial",
+                incarnation=uuid.uuid4().hex,
+                params=specs,
+            )
+            first.connect()
+            first.wait_ack(first.send_initial(0, np.zeros(n, np.float32)), 60)
+            owner = first.owners[0].address
+            first.close()
             # Each update is a learner's own (one update per learner in a round).
-            static = static_chunks(0, segments, codec)
-
-            def stream(i: int, deadline: float) -> int:
-                channel = grpc.insecure_channel(owner, options=channel_options())
-                call = channel.stream_unary(
-                    f"/{SERVICE}/Ingest",
-                    request_serializer=None,
-                    response_deserializer=session_pb2.Ack.FromString,
-                )
-                sent, window, k = 0, [], 0
-                ok = (session_pb2.ACK_STATUS_RECEIVED, session_pb2.ACK_STATUS_COMMITTED)
-                while time.monotonic() < deadline:
-                    k += 1
-                    tail = session_pb2.UpdateChunk(
-                        seq=k, learner_id=f"bench-{i}-{k}", incarnation="i"
-                    ).SerializeToString()
-                    window.append(call.future(iter([c + tail for c in static]), timeout=60))
-                    if len(window) >= IN_FLIGHT:
-                        sent += payload_bytes if window.pop(0).result().status in ok else 0
-                for f in window:
-                    sent += payload_bytes if f.result().status in ok else 0
-                channel.close()
-                return sent
-
+            static = tuple(static_chunks(0, segments, codec))
             assert redis_server.process is not None
             servers = {"replica": sync.pid, "redis": redis_server.process.pid}
-            measured = _run_clients(clients, seconds, stream, servers)
-            for c in conns:
-                c.close()
-            return measured
+            parts = [
+                Client("ingest", i, owner, static, payload_bytes, sync.address, n)
+                for i in range(clients)
+            ]
+            return _run_clients(parts, seconds, servers)
         finally:
             sync.stop()
+
+
+def _chunks(payload_bytes: int) -> tuple[bytes, ...]:
+    """A payload of random bytes in the synchronizer's chunks."""
+    payload = np.random.default_rng(0).bytes(payload_bytes)
+    step = DEFAULT_MAX_CHUNK_BYTES
+    return tuple(payload[i : i + step] for i in range(0, len(payload), step))
 
 
 def measure_raw(
@@ -185,74 +331,21 @@ def measure_raw(
         child_env(1),
     ).start()
     try:
-        port = wait_for_file(port_file, sink)["grpc"]
-        payload = np.random.default_rng(0).bytes(payload_bytes)
-        step = DEFAULT_MAX_CHUNK_BYTES  # the same chunks as the synchronizer's
-        chunks = [payload[i : i + step] for i in range(0, len(payload), step)]
-
-        def stream(_: int, deadline: float) -> int:
-            channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
-            call = channel.stream_stream(RAW_METHOD, None, None)  # bytes in, bytes out
-            sent = 0
-            acks: list[int] = []
-            lock = threading.Condition()
-
-            def requests() -> Iterator[bytes]:
-                count = 0
-                while time.monotonic() < deadline:
-                    with lock:
-                        while count - len(acks) >= IN_FLIGHT:
-                            lock.wait(0.1)
-                    yield from chunks
-                    count += 1
-
-            for _ in call(requests(), metadata=(("payload-bytes", str(payload_bytes)),)):
-                with lock:
-                    acks.append(1)
-                    lock.notify_all()
-                sent += payload_bytes
-            channel.close()
-            return sent
-
-        def calls(_: int, deadline: float) -> int:
-            channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
-            call = channel.stream_stream(RAW_METHOD, None, None)
-            sent = [0] * IN_FLIGHT
-
-            def one(k: int) -> None:
-                metadata = (("payload-bytes", str(payload_bytes)),)
-                while time.monotonic() < deadline:
-                    for _ in call(iter(chunks), metadata=metadata):
-                        sent[k] += payload_bytes
-
-            threads = [threading.Thread(target=one, args=(k,)) for k in range(IN_FLIGHT)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            channel.close()
-            return sum(sent)
-
-        body = calls if per_call else stream
-        return _run_clients(clients, seconds, body, {"raw_sink": sink.pid})
+        address = f"127.0.0.1:{wait_for_file(port_file, sink)['grpc']}"
+        kind, chunks = ("raw_calls" if per_call else "raw"), _chunks(payload_bytes)
+        parts = [Client(kind, i, address, chunks, payload_bytes) for i in range(clients)]
+        return _run_clients(parts, seconds, {"raw_sink": sink.pid})
     finally:
         sink.stop()
 
 
 def measure_store(workdir: Path, clients: int, seconds: float, payload_bytes: int) -> float:
-    payload = np.random.default_rng(0).bytes(payload_bytes)
     with RedisServer(workdir / "redis-alone") as redis_server:
-
-        def write(i: int, deadline: float) -> int:
-            client = redis.Redis.from_url(redis_server.url)
-            sent = 0
-            while time.monotonic() < deadline:
-                client.set(f"payload:{i}:{sent}", payload)
-                sent += 1
-            client.close()
-            return sent * payload_bytes
-
-        return _run_clients(clients, seconds, write, {}).mb_s
+        chunks = _chunks(payload_bytes)
+        parts = [
+            Client("store", i, redis_server.url, chunks, payload_bytes) for i in range(clients)
+        ]
+        return _run_clients(parts, seconds, {}).mb_s
 
 
 RAW_METHOD = "/atoll.bench.RawSink/Stream"

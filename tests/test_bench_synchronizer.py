@@ -1,0 +1,47 @@
+"""`atoll bench synchronizer` end to end at a small size: a real replica and Redis, the raw
+sink, and client processes of their own, with every figure of the report measured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from cluster.processes import atoll_command
+
+
+def test_the_synchronizer_bench_measures_each_part_with_client_processes(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "sync.json"
+    proc = subprocess.run(
+        [
+            *atoll_command("bench", "synchronizer"),
+            "--clients",
+            "2",
+            "--seconds",
+            "1.5",
+            "--fragment-mib",
+            "0.5",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["clients"] == 2
+    for key in ("ingest_mb_s", "merging_mb_s", "raw_grpc_mb_s", "raw_per_call_mb_s", "store_mb_s"):
+        assert report[key] > 0, key
+    assert report["ratio"] == round(report["ingest_mb_s"] / report["raw_grpc_mb_s"], 3)
+    assert report["merging_ratio"] == round(report["merging_mb_s"] / report["raw_grpc_mb_s"], 3)
+    cpu = report["cpu_ms_per_mb"]
+    assert set(cpu) == {"held_open", "merging", "raw", "raw_per_call"}
+    for part in ("held_open", "merging"):
+        assert set(cpu[part]) == {"replica", "redis", "clients"}
+        assert cpu[part]["replica"] > 0
+        assert cpu[part]["clients"] > 0  # the client processes' own CPU, reported back
+    assert cpu["raw"]["raw_sink"] > 0
+    assert cpu["raw"]["clients"] > 0
