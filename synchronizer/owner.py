@@ -95,6 +95,16 @@ def _apart(ranges: list[tuple[int, int, int, str, int]]) -> bool:
     return True
 
 
+def _ascending(chunks: list[tuple[int, Update, codecs.Segment, Accumulator]]) -> bool:
+    """Whether each update's chunks came in ascending order of their values."""
+    last: dict[int, int] = {}
+    for _, update, segment, _ in chunks:
+        if segment.offset < last.get(id(update), -1):
+            return False
+        last[id(update)] = segment.offset
+    return True
+
+
 def _outcome(
     fn: Callable[[Update, codecs.Segment, Accumulator], None],
     update: Update,
@@ -458,9 +468,10 @@ class FragmentOwner:
     ) -> list[BaseException | None]:
         """Chunks queued one after another (`add`), in one go: each hashed in arrival order,
         then summed, those of one range into one sum several at once (Accumulator.add_many).
-        Bit for bit the sums chunk after chunk make: the ranges are taken in ascending order
-        (an update's chunks come so), and only where the ranges of one sum are the same or
-        apart; else chunk after chunk. A chunk's outcome: None, or why it was refused."""
+        Bit for bit the sums chunk after chunk make: the ranges are taken in ascending order,
+        only where each update's chunks came so (one call's do; the parts of an update in
+        parts may not) and the ranges of one sum are the same or apart; else chunk after
+        chunk. A chunk's outcome: None, or why it was refused."""
         outcomes: list[BaseException | None] = [None] * len(jobs)
         live: list[tuple[int, Update, codecs.Segment, Accumulator]] = []
         for i, (update, offset, count, data) in enumerate(jobs):
@@ -474,7 +485,7 @@ class FragmentOwner:
         for k, (_, update, segment, target) in enumerate(live):
             key = (id(target), segment.offset, segment.count, update.codec.name, update.block_size)
             ranges.setdefault(key, []).append(k)
-        if not _apart(list(ranges)):
+        if not (_ascending(live) and _apart(list(ranges))):
             for i, update, segment, target in live:
                 outcomes[i] = _outcome(self._summed, update, segment, target)
             return outcomes
@@ -482,7 +493,7 @@ class FragmentOwner:
             ready: list[tuple[int, Update, codecs.Segment, codecs.Ready]] = []
             for k in ranges[key]:
                 i, update, segment, target = live[k]
-                budget = update.norm_bound**2 - update.squares
+                budget = update.norm_bound * update.norm_bound - update.squares
                 try:
                     one = target.ready_encoded(
                         segment,

@@ -407,7 +407,7 @@ def test_a_chunk_over_the_norm_bound_is_refused_before_it_touches_the_sum(
     owner.close()
 
 
-@pytest.mark.parametrize("chunking", ["same", "overlapping"])
+@pytest.mark.parametrize("chunking", ["same", "overlapping", "parts"])
 def test_chunks_summed_together_leave_what_summing_one_after_another_leaves(
     tmp_path: Path, chunking: str
 ) -> None:
@@ -415,11 +415,12 @@ def test_chunks_summed_together_leave_what_summing_one_after_another_leaves(
     one range at once, one taken alone for its near budget, a corrupt one and one over its
     norm bound refused, an abandoned one skipped. The sum, each update's squares, hash and
     chunks, and each outcome are those of `_add` chunk after chunk, also where another
-    chunking overlaps the ranges (then summed one after another)."""
+    chunking overlaps the ranges, or an update's chunks come out of order as the parts of
+    an update in parts may (then summed one after another)."""
     size, rng = 1000, np.random.default_rng(3)
     codec = codecs.by_name("int4")
     xs = [rng.normal(size=size).astype(np.float32) for _ in range(5)]
-    steps = [400] * 5 if chunking == "same" else [400, 400, 300, 400, 400]
+    steps = [400, 400, 300, 400, 400] if chunking == "overlapping" else [400] * 5
 
     def jobs(owner: FragmentOwner) -> tuple[list[Update], list[tuple[Update, int, int, bytes]]]:
         updates = [
@@ -435,6 +436,12 @@ def test_chunks_summed_together_leave_what_summing_one_after_another_leaves(
         updates[1].norm_bound = math.sqrt(1.2 * exact)  # near: its squares summed first
         updates[3].norm_bound = 1e-3  # over
         updates[4].abandoned = True
+        if chunking == "parts":  # the bound just under update 2's norm: its last chunk is over
+            whole = bytes(codec.encode(xs[2], 64))
+            squares = codec.decode_into(
+                np.zeros(size, np.float32), 1.0, codecs.Segment(0, size, whole), 64
+            )
+            updates[2].norm_bound = math.sqrt(0.999 * squares)
         out: list[tuple[Update, int, int, bytes]] = []
         per = [
             codecs.encode_segments(codec, x, 64, step)[0] for x, step in zip(xs, steps, strict=True)
@@ -447,6 +454,9 @@ def test_chunks_summed_together_leave_what_summing_one_after_another_leaves(
                     if k == 0 and i == 1:
                         data = data[:-1]  # corrupt
                     out.append((updates[k], s.offset, s.count, data))
+        if chunking == "parts":  # update 2's last chunk first
+            last = max(i for i, job in enumerate(out) if job[0] is updates[2])
+            out.insert(0, out.pop(last))
         return updates, out
 
     one, many = _owner(tmp_path / "one", size), _owner(tmp_path / "many", size)

@@ -6,8 +6,9 @@ behind them would add their time to its latency. Jobs of each kind still run in 
 they were submitted, which is what the sums need: an update's chunks, then its take-out.
 
 Jobs queued `together` with one function run in one call of it when several wait in a row
-(up to TOGETHER): the owner sums chunks of one range at once, reading and writing the sum
-once for all of them. They are taken from the queue in the order they would have run.
+(up to TOGETHER; an urgent job queued meanwhile waits for them all): the owner sums chunks
+of one range at once, reading and writing the sum once for all of them. They are taken
+from the queue in the order they would have run.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 _URGENT, _QUEUED, _STOP = 0, 1, 2
-TOGETHER = 32  # jobs one call of a `together` function takes at most
+# Jobs one call of a `together` function takes at most: an urgent job queued meanwhile
+# waits for all of them (the owner's sums of 8 chunks at once, twice).
+TOGETHER = 16
 
 
 @dataclass(frozen=True)
@@ -99,13 +102,14 @@ class FragmentWorker(Executor):
         job taken goes back to its place in the queue (its priority and order kept)."""
         jobs = [(future, args)]
         while len(jobs) < TOGETHER:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job[3] != together or job[2] is None:
-                self._jobs.put(job)
-                break
+            with self._lock:  # a shutdown cancels what is queued: this job too if it goes back
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job[3] != together or job[2] is None:
+                    self._jobs.put(job)
+                    break
             jobs.append((job[2], job[4]))
         running = [(f, a) for f, a in jobs if f.set_running_or_notify_cancel()]
         if not running:
