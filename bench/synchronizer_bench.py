@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
 import tempfile
 import threading
 import time
@@ -95,10 +96,10 @@ def _run_clients(clients: list[Client], seconds: float, servers: dict[str, int])
         context.Process(target=_client_process, args=(c, seconds, ready, go, results))
         for c in clients
     ]
-    for process in processes:
-        process.start()
     finished = False
     try:
+        for process in processes:
+            process.start()
         for _ in clients:
             _answer(ready.get(timeout=120))
         cpu0 = {name: cpu_seconds(pid) for name, pid in servers.items()}
@@ -110,6 +111,8 @@ def _run_clients(clients: list[Client], seconds: float, servers: dict[str, int])
         finished = True
     finally:
         for process in processes:
+            if process.pid is None:  # never started
+                continue
             if not finished:
                 process.kill()
             process.join(30)
@@ -141,6 +144,14 @@ def _client_process(
     """A client process: ready (its control session said hello), then stream until
     `seconds` after the go; puts (payload bytes acknowledged, CPU seconds it spent)."""
     tm.configure_logging("warning", json=False)
+    parent = os.getppid()
+
+    def orphaned() -> None:  # the benchmark was killed: stop too
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=orphaned, daemon=True).start()
     session = None
     try:
         if client.session:
@@ -153,7 +164,8 @@ def _client_process(
             )
             session.connect()
         ready.put(("ready", client.index))
-        go.wait(180)
+        if not go.wait(180):
+            raise TimeoutError("the other clients were not ready within 180 s")
         cpu0 = time.process_time()
         sent = BODIES[client.kind](client, time.monotonic() + seconds)
         results.put(("done", (sent, time.process_time() - cpu0)))
