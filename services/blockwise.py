@@ -351,14 +351,22 @@ class Blockwise:
             return None
         scales, body = self.parts(payload, count, block_size)
         target(acc, offset, count, self.what)
+        if self._past_budget(scales, weight, block_size, limit, max_squares):
+            return None
+        return Ready(weight, scales, body.view(fused.codes))
+
+    def _past_budget(
+        self, scales: np.ndarray, weight: float, block_size: int, limit: float, max_squares: float
+    ) -> bool:
+        """CodecError for values that times `weight` could pass `limit`; whether the most
+        sum of squares the scales allow passes `max_squares`."""
         largest = float(scales.max()) * self.largest_level if scales.size else 0.0
         check_limit(largest, weight, limit, self.what)
-        if math.isfinite(max_squares):
-            scales64 = scales.astype(np.float64)
-            most = float(np.dot(scales64, scales64)) * block_size * self.largest_level**2
-            if most > max_squares:
-                return None
-        return Ready(weight, scales, body.view(fused.codes))
+        if not math.isfinite(max_squares):
+            return False
+        scales64 = scales.astype(np.float64)
+        most = float(np.dot(scales64, scales64)) * block_size * self.largest_level**2
+        return most > max_squares
 
     def decode_many(
         self, acc: np.ndarray, offset: int, count: int, block_size: int, chunks: list[Ready]
@@ -398,15 +406,10 @@ class Blockwise:
         OverSquares, `acc` untouched, for one whose sum of squares passes `max_squares`."""
         scales, body = self.parts(payload, count, block_size)
         whole = target(acc, offset, count, self.what)
-        largest = float(scales.max()) * self.largest_level if scales.size else 0.0
-        check_limit(largest, weight, limit, self.what)
-        if math.isfinite(max_squares):
-            # The most the scales allow; past the budget, the squares themselves, summed
-            # first (a pass over the codes, nothing added, nothing built whole).
-            scales64 = scales.astype(np.float64)
-            most = float(np.dot(scales64, scales64)) * block_size * self.largest_level**2
-            if most > max_squares:
-                check_squares(self._squares(scales, body, count, block_size), max_squares)
+        if self._past_budget(scales, weight, block_size, limit, max_squares):
+            # The squares themselves, summed first (a pass over the codes, nothing added,
+            # nothing built whole).
+            check_squares(self._squares(scales, body, count, block_size), max_squares)
         w = np.float32(weight)
         fused = self._fused(block_size)
         if fused is not None:
