@@ -9,7 +9,6 @@ comes first on PATH there; so a system install is looked for past that directory
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import random
 import shutil
@@ -22,8 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import redis
-
-PR_SET_PDEATHSIG = 1
 
 
 def redis_binary() -> str:
@@ -45,19 +42,25 @@ def redis_binary() -> str:
         ) from None
 
 
-# Looked up here, not in the child: loading a library or finding a symbol between fork and
-# exec, in a child of a process with threads (gRPC's), can crash on the loader's lock that
-# another thread held at the fork.
-_PRCTL = (
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
+# redis-server cannot watch its parent itself. On Linux it is started through a fresh
+# interpreter that asks for SIGTERM when the starting thread's process dies (the parent
+# death signal survives exec), checks that parent is still there, and execs redis-server.
+# No Python runs between fork and exec in this process's child: with threads about
+# (gRPC's), code there can crash on a lock another thread held at the fork.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: on Linux, SIGTERM it when the process that started it dies
-    (redis-server cannot watch its parent itself)."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+def _with_parent(args: list[str]) -> list[str]:
+    """`args` started so that the process ends when this one does (on Linux)."""
+    if not sys.platform.startswith("linux"):
+        return args
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *args]
 
 
 LOWEST_PORT = 10000
@@ -135,7 +138,7 @@ class RedisServer:
             *self.extra_args,
         ]
         self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+            _with_parent(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
