@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +100,8 @@ def train(settings: LearnerSettings, joined: Group) -> None:
         if learner.stop_requested.is_set():  # told to stop before it could join: not a failure
             log.info("stopped_before_joining", reason=str(err))
             return
-        print(f"atoll learner: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
+        log.error("session_failed", error=str(err))  # for the logs; the line below for people
+        raise SystemExit(f"atoll learner: {err}") from None
     finally:
         learner.close()
     log.info(
