@@ -47,6 +47,7 @@ from services import telemetry as tm
 from services.gen.atoll.v1 import session_pb2
 from services.grpcopts import channel_options, server_options
 from services.layout import LeafSpec
+from services.lifecycle import reuse_large_buffers, watch_parent
 from services.wire import DEFAULT_MAX_CHUNK_BYTES
 
 if TYPE_CHECKING:
@@ -143,15 +144,10 @@ def _client_process(
 ) -> None:
     """A client process: ready (its control session said hello), then stream until
     `seconds` after the go; puts (payload bytes acknowledged, CPU seconds it spent)."""
+    # What `atoll` sets up in each of its processes (atoll/cli.py): a learner's are too.
+    watch_parent(parent=os.getppid())  # the benchmark was killed: stop too
+    reuse_large_buffers()
     tm.configure_logging("warning", json=False)
-    parent = os.getppid()
-
-    def orphaned() -> None:  # the benchmark was killed: stop too
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=orphaned, daemon=True).start()
     session = None
     try:
         if client.session:

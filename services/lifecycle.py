@@ -25,13 +25,16 @@ PARENT_ENV = "ATOLL_PARENT_PID"
 ORPHAN_GRACE_S = 30.0
 
 
-def watch_parent(interval_s: float = 1.0, grace_s: float = ORPHAN_GRACE_S) -> None:
-    """If started by an atoll parent, SIGTERM this process once that parent is gone, and
-    end it `grace_s` later if it is still running."""
-    expected = os.environ.get(PARENT_ENV)
-    if not expected:
-        return
-    parent = int(expected)
+def watch_parent(
+    interval_s: float = 1.0, grace_s: float = ORPHAN_GRACE_S, parent: int | None = None
+) -> None:
+    """If started by an atoll parent (`parent`, else the one ATOLL_PARENT_PID names), SIGTERM
+    this process once that parent is gone, and end it `grace_s` later if it still runs."""
+    if parent is None:
+        expected = os.environ.get(PARENT_ENV)
+        if not expected:
+            return
+        parent = int(expected)
 
     def watch() -> None:
         while os.getppid() == parent:
