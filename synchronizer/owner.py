@@ -105,19 +105,6 @@ def _ascending(chunks: list[tuple[int, Update, codecs.Segment, Accumulator]]) ->
     return True
 
 
-def _outcome(
-    fn: Callable[[Update, codecs.Segment, Accumulator], None],
-    update: Update,
-    segment: codecs.Segment,
-    target: Accumulator,
-) -> BaseException | None:
-    try:
-        fn(update, segment, target)
-    except Exception as err:
-        return err
-    return None
-
-
 class OwnerLost(RuntimeError):
     """This replica no longer owns the fragment (its lease lapsed or was taken)."""
 
@@ -487,12 +474,13 @@ class FragmentOwner:
             ranges.setdefault(key, []).append(k)
         if not (_ascending(live) and _apart(list(ranges))):
             for i, update, segment, target in live:
-                outcomes[i] = _outcome(self._summed, update, segment, target)
+                outcomes[i] = self._summed_alone(update, segment, target)
             return outcomes
         for key in sorted(ranges, key=lambda key: key[1]):
+            target = live[ranges[key][0]][3]
             ready: list[tuple[int, Update, codecs.Segment, codecs.Ready]] = []
             for k in ranges[key]:
-                i, update, segment, target = live[k]
+                i, update, segment, _ = live[k]
                 budget = update.norm_bound * update.norm_bound - update.squares
                 try:
                     one = target.ready_encoded(
@@ -508,11 +496,21 @@ class FragmentOwner:
                     continue
                 if one is None:  # alone, in its place
                     self._summed_together(ready, target, outcomes)
-                    outcomes[i] = _outcome(self._summed, update, segment, target)
+                    outcomes[i] = self._summed_alone(update, segment, target)
                 else:
                     ready.append((i, update, segment, one))
-            self._summed_together(ready, live[ranges[key][0]][3], outcomes)
+            self._summed_together(ready, target, outcomes)
         return outcomes
+
+    def _summed_alone(
+        self, update: Update, segment: codecs.Segment, target: Accumulator
+    ) -> BaseException | None:
+        """`_summed`, its refusal returned, not raised."""
+        try:
+            self._summed(update, segment, target)
+        except Exception as err:
+            return err
+        return None
 
     def _summed_together(
         self,
@@ -520,7 +518,8 @@ class FragmentOwner:
         target: Accumulator,
         outcomes: list[BaseException | None],
     ) -> None:
-        """Sum chunks of one range, each checked for it (`ready_encoded`), into `target`."""
+        """Sum chunks of one range, each checked for it (`ready_encoded`), into `target`;
+        `ready` is empty after."""
         if not ready:
             return
         _, first, segment, _ = ready[0]
