@@ -141,7 +141,11 @@ def test_prometheus_sees_every_process_and_agrees_with_the_report_on_goodput(
         assert scalar(port, 'changes(process_start_time_seconds{slot="learner-1"}[10m])', end) >= 1
         live = query_range(port, dashboard_goodput(), started, end)
         assert live
-        assert max(live) <= 1.0, max(live)
+        # Each rate is estimated from about five samples stamped when their scrape began, of
+        # targets scraped at different moments of each second: on a busy machine a late
+        # scrape moves either rate by a few percent (1.044 seen in CI). Useful time credited
+        # in lumps (a merge's steps at once) would read 2 and more over a 5 s window.
+        assert max(live) <= 1.2, max(live)
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
