@@ -13,6 +13,32 @@ from services import kernels
 
 SpawnSynchronizer = Callable[..., SynchronizerChild]
 
+# Modules whose tests each run a whole training cluster or benchmark (`atoll up`, `atoll
+# bench`, learners training on JAX): each keeps every core busy and some time what happens
+# (a learner back within seconds, a commit within a lease). `make test` runs the suite on
+# two pytest-xdist workers; these go one after another on one of them (`--dist loadgroup`),
+# while the other worker takes the rest, which mostly wait on sockets and timers.
+WHOLE_CLUSTERS = {
+    "test_bench_quality",
+    "test_bench_scale",
+    "test_bench_synchronizer",
+    "test_containers",
+    "test_export",
+    "test_faults",
+    "test_learner_restart",
+    "test_multiprocess_learner",
+    "test_own_loop",
+    "test_prometheus",
+    "test_scale",
+    "test_up",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.stem in WHOLE_CLUSTERS:
+            item.add_marker(pytest.mark.xdist_group("whole_clusters"))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def compiled_kernels() -> None:
