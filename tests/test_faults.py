@@ -18,7 +18,7 @@ from cluster.processes import atoll_command
 from synchronizer.ownership import OWNER_TTL_S
 from tests.test_up import up
 
-STEPS, H = 800, 60
+STEPS, H = 1000, 60
 FAST = ["--steps", str(STEPS), "--inner-steps", str(H), "--fragments", "3"]
 TOKENS_PER_STEP = 8 * 64  # test_up.SMALL: batch 8, context 64
 SOAK_STEPS = 750  # per learner: about a minute of training for the soak's short form
