@@ -18,7 +18,7 @@ from cluster.processes import atoll_command
 from synchronizer.ownership import OWNER_TTL_S
 from tests.test_up import up
 
-STEPS, H = 1000, 60
+STEPS, H = 1200, 60
 FAST = ["--steps", str(STEPS), "--inner-steps", str(H), "--fragments", "3"]
 TOKENS_PER_STEP = 8 * 64  # test_up.SMALL: batch 8, context 64
 SOAK_STEPS = 750  # per learner: about a minute of training for the soak's short form
@@ -37,8 +37,11 @@ def check(report: dict[str, Any], faults: int) -> None:
 
 
 def test_a_killed_learner_rejoins_and_its_later_updates_are_merged(tmp_path: Path) -> None:
+    # At 10 s: the victim must have had updates merged before it dies. Its first step can
+    # come 4 s after the others' on two busy cores (its first compile), and at 5 s it once
+    # had sent nothing.
     report = up(
-        tmp_path, "--learners", "3", *FAST, "--chaos", "learner-kill:at=5s,down=3s,victim=1"
+        tmp_path, "--learners", "3", *FAST, "--chaos", "learner-kill:at=10s,down=3s,victim=1"
     )
     check(report, 1)
     victim = next(p for p in report["per_learner"] if p["learner"] == "learner-1")
