@@ -344,6 +344,28 @@ def test_decode_into_adds_what_decoding_then_weighing_adds_bit_for_bit(
         assert acc.tobytes() == expected.tobytes()
 
 
+def test_int8_squares_of_blocks_longer_than_a_span_are_exact() -> None:
+    """The compiled int8 passes sum squares in int32 a span (kernels.SPAN values) at a time;
+    a block of the largest size, every code -128, overflows int32 unless each span's sum is
+    widened before the next: every pass returns the exact sum of squares."""
+    bs = codecs.MAX_BLOCK_SIZE
+    n = bs + kernels.SPAN + 3  # a whole block of the largest size, and a short one after it
+    codes = np.full(n, -128, np.int8)
+    scales = np.array([0.5, 2.0], np.float32)
+    want = (bs * 0.25 + (n - bs) * 4.0) * 128.0 * 128.0
+    acc = np.zeros(n, np.float32)
+    assert kernels.int8_into(acc, np.float32(1.0), codes, scales, bs) == want
+    assert acc[0] == -64.0
+    assert acc[-1] == -256.0
+    assert kernels.int8_squares(codes, scales, bs, n) == want
+    squares = np.zeros(kernels.MANY)
+    table = np.stack([scales, scales])
+    many = kernels.readonly_many([codes, codes])
+    kernels.int8_into_many(acc, np.ones(2, np.float32), many, table, bs, 2, squares)
+    assert list(squares[:2]) == [want, want]
+    assert acc[0] == -192.0
+
+
 @pytest.mark.parametrize("name", sorted(codecs.REGISTRY))
 @pytest.mark.parametrize(("n", "block"), [(1, 64), (1001, 64), (1001, 3), (70_001, 256)])
 @pytest.mark.parametrize("many", [1, 3, kernels.MANY + 3])

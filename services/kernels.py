@@ -28,6 +28,11 @@ from numba import njit
 # views the compiler vectorizes.
 _kernel = njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 
+# Squares of int8 levels are summed in int32 over spans of at most SPAN values (at most
+# 2**30 a span), then widened: numba's integer arithmetic is 64-bit unless narrowed, and
+# 64-bit lanes halve what each vector instruction of the summing loop holds.
+SPAN = 1 << 16
+
 
 @_kernel
 def int8_into(
@@ -41,13 +46,17 @@ def int8_into(
         lo = b * bs
         hi = min(lo + bs, n)
         s = scales[b]
-        a = acc[lo:hi]
-        c = codes[lo:hi]
-        total = np.int32(0)
-        for i in range(hi - lo):
-            level = np.int32(c[i])
-            total += level * level
-            a[i] += (np.float32(level) * s) * w
+        total = np.int64(0)
+        for start in range(lo, hi, SPAN):
+            end = min(start + SPAN, hi)
+            a = acc[start:end]
+            c = codes[start:end]
+            part = np.int32(0)
+            for i in range(end - start):
+                level = np.int32(c[i])
+                part = np.int32(part + np.int32(level * level))
+                a[i] += (np.float32(level) * s) * w
+            total += np.int64(part)
         squares += np.float64(s) * np.float64(s) * np.float64(total)
     return squares
 
@@ -82,20 +91,27 @@ def int8_into_many(
     float32 operations in the same order as int8_into chunk after chunk, so bit for bit
     its sum; squares[k] += chunk k's sum of squares, summed as int8_into sums it."""
     n = acc.size
+    totals = np.zeros(used, np.int64)
     for b in range(scales.shape[1]):
         lo = b * bs
         hi = min(lo + bs, n)
-        a = acc[lo:hi]
+        totals[:] = 0
+        for start in range(lo, hi, SPAN):
+            end = min(start + SPAN, hi)
+            a = acc[start:end]
+            for k in range(used):
+                s = scales[k, b]
+                w = ws[k]
+                c = codes[k][start:end]
+                part = np.int32(0)
+                for i in range(end - start):
+                    level = np.int32(c[i])
+                    part = np.int32(part + np.int32(level * level))
+                    a[i] += (np.float32(level) * s) * w
+                totals[k] += part
         for k in range(used):
             s = scales[k, b]
-            w = ws[k]
-            c = codes[k][lo:hi]
-            total = np.int32(0)
-            for i in range(hi - lo):
-                level = np.int32(c[i])
-                total += level * level
-                a[i] += (np.float32(level) * s) * w
-            squares[k] += np.float64(s) * np.float64(s) * np.float64(total)
+            squares[k] += np.float64(s) * np.float64(s) * np.float64(totals[k])
 
 
 @_kernel
@@ -132,9 +148,9 @@ def nibble_into(
         total = np.int32(0)
         for j in range(hi - lo):
             byte = np.int32(c[j])
-            first = (byte & 15) - 8
-            second = (byte >> 4) - 8
-            total += first * first + second * second
+            first = np.int32((byte & 15) - 8)
+            second = np.int32((byte >> 4) - 8)
+            total = np.int32(total + np.int32(first * first + second * second))
             a[2 * j] += (np.float32(first) * s) * w
             a[2 * j + 1] += (np.float32(second) * s) * w
         squares += np.float64(s) * np.float64(s) * np.float64(total)
@@ -174,9 +190,9 @@ def nibble_into_many(
             total = np.int32(0)
             for j in range(hi - lo):
                 byte = np.int32(c[j])
-                first = (byte & 15) - 8
-                second = (byte >> 4) - 8
-                total += first * first + second * second
+                first = np.int32((byte & 15) - 8)
+                second = np.int32((byte >> 4) - 8)
+                total = np.int32(total + np.int32(first * first + second * second))
                 a[2 * j] += (np.float32(first) * s) * w
                 a[2 * j + 1] += (np.float32(second) * s) * w
             squares[k] += np.float64(s) * np.float64(s) * np.float64(total)
@@ -228,8 +244,8 @@ def nibble_move(
         c = body[lo:hi]
         for j in range(hi - lo):
             byte = np.int32(c[j])
-            first = (np.float32((byte & 15) - 8) * s) * w
-            second = (np.float32((byte >> 4) - 8) * s) * w
+            first = (np.float32(np.int32((byte & 15) - 8)) * s) * w
+            second = (np.float32(np.int32((byte >> 4) - 8)) * s) * w
             a[2 * j] -= first
             d[2 * j] += first
             a[2 * j + 1] -= second
@@ -255,8 +271,8 @@ def nibble_decode(out: np.ndarray, body: np.ndarray, scales: np.ndarray, bs: int
         c = body[lo:hi]
         for j in range(hi - lo):
             byte = np.int32(c[j])
-            o[2 * j] = np.float32((byte & 15) - 8) * s
-            o[2 * j + 1] = np.float32((byte >> 4) - 8) * s
+            o[2 * j] = np.float32(np.int32((byte & 15) - 8)) * s
+            o[2 * j + 1] = np.float32(np.int32((byte >> 4) - 8)) * s
     if n % 2:
         out[n - 1] = np.float32((np.int32(body[pairs]) & 15) - 8) * scales[(n - 1) // bs]
 
@@ -279,11 +295,15 @@ def int8_squares(codes: np.ndarray, scales: np.ndarray, bs: int, n: int) -> floa
     for b in range(scales.size):
         lo = b * bs
         hi = min(lo + bs, n)
-        c = codes[lo:hi]
-        total = np.int32(0)
-        for i in range(hi - lo):
-            level = np.int32(c[i])
-            total += level * level
+        total = np.int64(0)
+        for start in range(lo, hi, SPAN):
+            end = min(start + SPAN, hi)
+            c = codes[start:end]
+            part = np.int32(0)
+            for i in range(end - start):
+                level = np.int32(c[i])
+                part = np.int32(part + np.int32(level * level))
+            total += np.int64(part)
         s = scales[b]
         squares += np.float64(s) * np.float64(s) * np.float64(total)
     return squares
@@ -304,9 +324,9 @@ def nibble_squares(body: np.ndarray, scales: np.ndarray, bs: int, n: int) -> flo
         total = np.int32(0)
         for j in range(hi - lo):
             byte = np.int32(c[j])
-            first = (byte & 15) - 8
-            second = (byte >> 4) - 8
-            total += first * first + second * second
+            first = np.int32((byte & 15) - 8)
+            second = np.int32((byte >> 4) - 8)
+            total = np.int32(total + np.int32(first * first + second * second))
         s = scales[b]
         squares += np.float64(s) * np.float64(s) * np.float64(total)
     if n % 2:
