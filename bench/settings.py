@@ -389,11 +389,16 @@ class RawSink(BaseModel):
     """Internal: the bare gRPC sink that `bench synchronizer` measures against."""
 
     port_file: Path = Field(description="write the bound port here (JSON)")
+    summing: bool = Field(
+        False,
+        description="also hash each chunk and sum it into a float32 fragment on one worker "
+        "thread, as a fragment's owner must (the floor of `bench synchronizer`)",
+    )
 
     def cli_cmd(self) -> None:
         from bench.synchronizer_bench import serve_raw_sink
 
-        serve_raw_sink(self.port_file)
+        serve_raw_sink(self.port_file, summing=self.summing)
 
 
 class BenchCommand(AtollSettings):

@@ -22,9 +22,11 @@ plus a quarter of the raw run's total.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
+import queue
 import tempfile
 import threading
 import time
@@ -37,18 +39,21 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 import redis
+import xxhash
 
 from bench.scale import cpu_seconds, static_chunks
 from cluster.processes import Child, atoll_command, child_env, synchronizer_child, wait_for_file
 from cluster.redis_server import RedisServer
 from learner.client import SynchronizerClient
 from services import codec as codecs
+from services import kernels
 from services import telemetry as tm
 from services.gen.atoll.v1 import session_pb2
 from services.grpcopts import channel_options, server_options
 from services.layout import LeafSpec
 from services.lifecycle import reuse_large_buffers, watch_parent
 from services.wire import DEFAULT_MAX_CHUNK_BYTES
+from synchronizer.admission import Arrived, parse_chunk
 
 if TYPE_CHECKING:
     from bench.settings import SynchronizerBench
@@ -148,7 +153,7 @@ def _client_process(
     watch_parent(parent=os.getppid())  # the benchmark was killed: stop too
     reuse_large_buffers()
     tm.configure_logging("warning", json=False)
-    session = None
+    session, stop = None, threading.Event()
     try:
         if client.session:
             session = SynchronizerClient(
@@ -159,6 +164,8 @@ def _client_process(
                 params=[LeafSpec("fragment", (client.values,))],
             )
             session.connect()
+            # As a learner's stager takes them: no client holds every version it was sent.
+            threading.Thread(target=_drain, args=(session, stop), daemon=True).start()
         ready.put(("ready", client.index))
         if not go.wait(180):
             raise TimeoutError("the other clients were not ready within 180 s")
@@ -169,8 +176,16 @@ def _client_process(
         results.put(("error", f"client {client.index} ({client.kind}): {err!r}"))
         ready.put(("error", f"client {client.index} ({client.kind}): {err!r}"))
     finally:
+        stop.set()
         if session is not None:
             session.close()
+
+
+def _drain(session: SynchronizerClient, stop: threading.Event) -> None:
+    """Take each new global value the session brings, as a learner's stager does."""
+    while not stop.is_set():
+        with contextlib.suppress(queue.Empty):
+            session.fragments.get(timeout=0.2)
 
 
 def _ingest(client: Client, deadline: float) -> int:
@@ -215,11 +230,11 @@ def _raw(client: Client, deadline: float) -> int:
             count += 1
 
     metadata = (("payload-bytes", str(client.payload_bytes)),)
-    for _ in call(requests(), metadata=metadata):
+    for reply in call(requests(), metadata=metadata):
         with lock:
             acks.append(1)
             lock.notify_all()
-        sent += client.payload_bytes
+        sent += client.payload_bytes if reply == b"ok" else 0  # a summing sink's checksum
     channel.close()
     return sent
 
@@ -272,12 +287,7 @@ def measure_ingest(
     mode waiting for one learner more than there are) unless `merging`: then they merge at
     the default cadence (decoupled, quorum 1, adaptive grace)."""
     specs = [LeafSpec("fragment", (n,))]
-    codec = codecs.by_name("int8")
-    # An outer gradient's size against a fragment at zero: well inside the norm bound an
-    # update meets before any other learner's has set the scale (owner.REFERENCE_RMS).
-    values = (0.01 * np.random.default_rng(0).normal(size=n)).astype(np.float32)
-    segments, _ = codecs.encode_segments(codec, values, 256, DEFAULT_MAX_CHUNK_BYTES)
-    payload_bytes = sum(len(s.data) for s in segments)
+    static, payload_bytes = _update_chunks(n)
     rounds = (
         ["--max-staleness", "1000000"]
         if merging
@@ -305,7 +315,6 @@ def measure_ingest(
             owner = first.owners[0].address
             first.close()
             # Each update is a learner's own (one update per learner in a round).
-            static = tuple(static_chunks(0, segments, codec))
             assert redis_server.process is not None
             servers = {"replica": sync.pid, "redis": redis_server.process.pid}
             parts = [
@@ -317,6 +326,17 @@ def measure_ingest(
             sync.stop()
 
 
+def _update_chunks(n: int) -> tuple[tuple[bytes, ...], int]:
+    """An int8 update of a fragment of n values in Ingest's chunks (its fields of each send
+    left out), and its payload's bytes."""
+    codec = codecs.by_name("int8")
+    # An outer gradient's size against a fragment at zero: well inside the norm bound an
+    # update meets before any other learner's has set the scale (owner.REFERENCE_RMS).
+    values = (0.01 * np.random.default_rng(0).normal(size=n)).astype(np.float32)
+    segments, _ = codecs.encode_segments(codec, values, 256, DEFAULT_MAX_CHUNK_BYTES)
+    return tuple(static_chunks(0, segments, codec)), sum(len(s.data) for s in segments)
+
+
 def _chunks(payload_bytes: int) -> tuple[bytes, ...]:
     """A payload of random bytes in the synchronizer's chunks."""
     payload = np.random.default_rng(0).bytes(payload_bytes)
@@ -325,22 +345,33 @@ def _chunks(payload_bytes: int) -> tuple[bytes, ...]:
 
 
 def measure_raw(
-    workdir: Path, clients: int, seconds: float, payload_bytes: int, per_call: bool = False
+    workdir: Path,
+    clients: int,
+    seconds: float,
+    payload_bytes: int,
+    per_call: bool = False,
+    summing: int = 0,
 ) -> Measured:
     """Payload MB/s into the raw sink: each client streaming payloads on one call, IN_FLIGHT
-    acks outstanding; or, `per_call`, IN_FLIGHT calls of one payload each at a time."""
-    workdir = workdir / ("raw-per-call" if per_call else "raw")
+    acks outstanding; or, `per_call`, IN_FLIGHT calls of one payload each at a time. With
+    `summing` (a fragment's values), the sink sums what it is sent (`_Summer`), and the
+    clients stream int8 updates of that many values, in Ingest's chunks, on one call each."""
+    name = "raw-per-call" if per_call else "floor" if summing else "raw"
+    workdir = workdir / name
     workdir.mkdir()
     port_file = workdir / "sink.ports"
+    flags = ["--summing"] if summing else []
     sink = Child(
         "raw-sink",
-        atoll_command("bench", "raw-sink", "--port-file", str(port_file)),
+        atoll_command("bench", "raw-sink", "--port-file", str(port_file), *flags),
         workdir / "raw-sink.log",
         child_env(1),
     ).start()
     try:
         address = f"127.0.0.1:{wait_for_file(port_file, sink)['grpc']}"
         kind, chunks = ("raw_calls" if per_call else "raw"), _chunks(payload_bytes)
+        if summing:
+            chunks, payload_bytes = _update_chunks(summing)
         parts = [Client(kind, i, address, chunks, payload_bytes) for i in range(clients)]
         return _run_clients(parts, seconds, {"raw_sink": sink.pid})
     finally:
@@ -359,9 +390,81 @@ def measure_store(workdir: Path, clients: int, seconds: float, payload_bytes: in
 RAW_METHOD = "/atoll.bench.RawSink/Stream"
 
 
-def serve_raw_sink(port_file: Path) -> None:
+class _Summer:
+    """The least a fragment's owner does with an update's bytes, on one worker thread as the
+    owner's is: each chunk hashed in arrival order and summed into a float32 fragment, the
+    chunks of one range queued together summed in one pass (as the owner's worker sums them).
+    Nothing else: no checks, no admission, no Redis, no outer step."""
+
+    def __init__(self) -> None:
+        self.codec = codecs.by_name("int8")
+        self.acc: np.ndarray | None = None
+        self.queue: queue.SimpleQueue[
+            tuple[int, int, memoryview, xxhash.xxh3_64 | None, Callable[[], object] | None] | None
+        ] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="summer", daemon=True)
+        self.thread.start()
+
+    def add(
+        self, n: int, offset: int, count: int, data: memoryview, hasher: xxhash.xxh3_64
+    ) -> None:
+        """Queue one chunk."""
+        if self.acc is None:
+            self.acc = np.zeros(n, np.float32)
+        self.queue.put((offset, count, data, hasher, None))
+
+    def done(self) -> asyncio.Future[int]:
+        """A future done once every chunk queued so far is hashed and summed."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int] = loop.create_future()
+        self.queue.put(
+            (0, 0, memoryview(b""), None, lambda: loop.call_soon_threadsafe(future.set_result, 1))
+        )
+        return future
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            batch = [item]
+            while len(batch) < 16:
+                try:
+                    more = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self.queue.put(None)
+                    break
+                batch.append(more)
+            for _, _, data, hasher, _ in batch:
+                if hasher is not None:
+                    hasher.update(data)
+            ranges: dict[tuple[int, int], list[codecs.Ready]] = {}
+            assert self.acc is not None
+            for offset, count, data, hasher, _ in batch:
+                if hasher is None:  # a marker (`done`)
+                    continue
+                segment = codecs.Segment(offset, count, data)
+                ready = self.codec.ready(self.acc, 1.0, segment, codecs.DEFAULT_BLOCK_SIZE)
+                assert ready is not None  # int8 at the default block size is compiled
+                ranges.setdefault((offset, count), []).append(ready)
+            for (offset, count), chunks in ranges.items():
+                for i in range(0, len(chunks), kernels.MANY):
+                    self.codec.decode_many(
+                        self.acc,
+                        offset,
+                        count,
+                        codecs.DEFAULT_BLOCK_SIZE,
+                        chunks[i : i + kernels.MANY],
+                    )
+            for *_, finished in batch:
+                if finished is not None:
+                    finished()
+
+
+def serve_raw_sink(port_file: Path, summing: bool = False) -> None:
     """A bare grpc.aio bidi stream (the synchronizer's own server flavour) that counts chunks
-    into payloads and acks each payload: gRPC with nothing of atoll's behind it."""
+    into payloads and acks each payload: gRPC with nothing of atoll's behind it. `summing`:
+    each message is an Ingest chunk, parsed as the owner parses it, and its payload hashed
+    and summed (`_Summer`) before its update is acked, "ok" if its checksum holds."""
 
     async def handle(
         request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
@@ -374,11 +477,33 @@ def serve_raw_sink(port_file: Path) -> None:
                 received -= size
                 yield b"ok"
 
+    if summing:
+        kernels.warm()  # as a replica does before it serves: no compiling in the measurement
+    summer = _Summer() if summing else None
+
+    async def handle_summing(
+        request_iterator: AsyncIterator[Arrived], context: grpc.aio.ServicerContext[Any, bytes]
+    ) -> AsyncIterator[bytes]:
+        assert summer is not None
+        size = int(dict(context.invocation_metadata() or ())["payload-bytes"])
+        received, hasher = 0, xxhash.xxh3_64()
+        async for chunk, data in request_iterator:
+            header = chunk.header
+            summer.add(header.num_elements, chunk.value_offset, chunk.value_count, data, hasher)
+            received += len(data)
+            if received >= size:  # one whole payload in: ack it once it is summed
+                received -= size
+                await summer.done()
+                yield b"ok" if hasher.intdigest() == header.checksum else b"bad"
+                hasher = xxhash.xxh3_64()
+
     async def serve() -> None:
-        handler = grpc.method_handlers_generic_handler(
-            "atoll.bench.RawSink",
-            {"Stream": grpc.stream_stream_rpc_method_handler(handle)},  # bytes in, bytes out
+        method = (
+            grpc.stream_stream_rpc_method_handler(handle_summing, request_deserializer=parse_chunk)
+            if summing
+            else grpc.stream_stream_rpc_method_handler(handle)  # bytes in, bytes out
         )
+        handler = grpc.method_handlers_generic_handler("atoll.bench.RawSink", {"Stream": method})
         server = grpc.aio.server(options=server_options())
         server.add_generic_rpc_handlers((handler,))
         port = server.add_insecure_port("127.0.0.1:0")
@@ -397,6 +522,7 @@ def run(settings: SynchronizerBench) -> None:
         ingest = measure_ingest(workdir, settings.clients, settings.seconds, n)
         merging = measure_ingest(workdir, settings.clients, settings.seconds, n, merging=True)
         raw = measure_raw(workdir, settings.clients, settings.seconds, payload_bytes)
+        floor = measure_raw(workdir, settings.clients, settings.seconds, 0, summing=n)
         raw_calls = measure_raw(
             workdir, settings.clients, settings.seconds, payload_bytes, per_call=True
         )
@@ -411,6 +537,8 @@ def run(settings: SynchronizerBench) -> None:
         "merging_mb_s": round(merging.mb_s, 2),
         "merging_ratio": round(merging.mb_s / raw.mb_s, 3) if raw.mb_s else 0.0,
         "raw_per_call_mb_s": round(raw_calls.mb_s, 2),
+        "floor_mb_s": round(floor.mb_s, 2),
+        "floor_ratio": round(floor.mb_s / raw.mb_s, 3) if raw.mb_s else 0.0,
         "store_mb_s": round(store, 2),
         "store_ratio": round(ingest.mb_s / store, 3) if store else 0.0,
         "cpu_ms_per_mb": {
@@ -418,6 +546,7 @@ def run(settings: SynchronizerBench) -> None:
             "merging": merging.cpu_ms_per_mb,
             "raw": raw.cpu_ms_per_mb,
             "raw_per_call": raw_calls.cpu_ms_per_mb,
+            "floor": floor.cpu_ms_per_mb,
         },
     }
     print(json.dumps(result, indent=2))

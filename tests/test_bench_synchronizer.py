@@ -33,12 +33,20 @@ def test_the_synchronizer_bench_measures_each_part_with_client_processes(
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["clients"] == 2
-    for key in ("ingest_mb_s", "merging_mb_s", "raw_grpc_mb_s", "raw_per_call_mb_s", "store_mb_s"):
+    for key in (
+        "ingest_mb_s",
+        "merging_mb_s",
+        "raw_grpc_mb_s",
+        "raw_per_call_mb_s",
+        "floor_mb_s",  # counted only where the summing sink's checksum held
+        "store_mb_s",
+    ):
         assert report[key] > 0, key
     assert report["ratio"] == round(report["ingest_mb_s"] / report["raw_grpc_mb_s"], 3)
     assert report["merging_ratio"] == round(report["merging_mb_s"] / report["raw_grpc_mb_s"], 3)
     cpu = report["cpu_ms_per_mb"]
-    assert set(cpu) == {"held_open", "merging", "raw", "raw_per_call"}
+    assert report["floor_ratio"] == round(report["floor_mb_s"] / report["raw_grpc_mb_s"], 3)
+    assert set(cpu) == {"held_open", "merging", "raw", "raw_per_call", "floor"}
     for part in ("held_open", "merging"):
         assert set(cpu[part]) == {"replica", "redis", "clients"}
         assert cpu[part]["replica"] > 0
