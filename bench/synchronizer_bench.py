@@ -156,6 +156,7 @@ def _client_process(
     session, stop = None, threading.Event()
     try:
         if client.session:
+            kernels.warm()  # as a learner's session has by its first new version (connect)
             session = SynchronizerClient(
                 [client.session],
                 job="default",

@@ -32,6 +32,7 @@ import structlog
 import xxhash
 
 from services import codec as codecs
+from services import kernels
 from services import telemetry as tm
 from services.codec import Segment
 from services.downlink import apply_segment
@@ -266,6 +267,9 @@ class SynchronizerClient:
         Waits for as long as no synchronizer answers (or until `give_up_s`, or `stop`)."""
         self._thread = threading.Thread(target=self._run, name="atoll-session", daemon=True)
         self._thread.start()
+        # The compiled decoders new values are applied with, loaded (from numba's cache)
+        # now rather than by the first new value, which waits for them a second or more.
+        threading.Thread(target=kernels.warm, name="atoll-warm", daemon=True).start()
         self._start_ingest()
         said = time.monotonic()
         while not self._connected.wait(0.5):
