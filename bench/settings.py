@@ -19,8 +19,9 @@ class _Output(BaseModel):
 
 class SynchronizerBench(_Output):
     """Ingest of 3 learners streaming int8 updates, against raw gRPC streaming of the same
-    bytes (on one stream, and one call per update) and against Redis alone storing them;
-    and the CPU each MB cost every part."""
+    bytes (on one stream, and one call per update), against a sink that only hashes and sums
+    them as an owner must (the floor), and against Redis alone storing them; and the CPU each
+    MB cost every part."""
 
     clients: int = Field(3, ge=1, le=16, description="concurrent learner clients")
     seconds: float = Field(10.0, gt=0.0, description="seconds each measurement streams")

@@ -8,9 +8,13 @@ first with rounds held open (`ratio`), then with rounds merging at the default c
 (`merging_ratio`). Then the same clients stream the same bytes, in the same chunks, to a bare
 gRPC sink process that only counts them and acks (raw): on one long stream per client, and
 again with one call per payload as Ingest makes (`raw_per_call_mb_s`: what the calls alone
-cost, beside what the replica does with their bytes). Last, the same payloads written
-straight into a fresh Redis, one SET each, as the first design stored every update: that
-ceiling (`store_ratio`) is what data plane v2 left behind.
+cost, beside what the replica does with their bytes). Then the floor (`floor_mb_s`,
+`floor_ratio`): the same clients stream the updates on one stream each to a sink that does
+only the least an owner must with them, parse each chunk, hash it and sum it into a float32
+fragment on one worker thread, chunks of one range together (`_Summer`); what is left
+between it and the replica is admission, checks and per-call costs. Last, the same payloads
+written straight into a fresh Redis, one SET each, as the first design stored every update:
+that ceiling (`store_ratio`) is what data plane v2 left behind.
 
 Where the CPU goes (`cpu_ms_per_mb`): each part's CPU time (user + system, every thread)
 over the MB it moved, side by side in the run: the replica (and its Redis) with rounds held
