@@ -51,6 +51,11 @@ DOWNLINK_WAIT_MAX_S = 5.0  # an upload's chunk waits no longer than this
 # no upload back (its queue grows until OUTBOX_LIMIT ends its stream).
 DOWNLINK_STALLED_S = 2.0
 MAX_DELTA_CHAIN = 8  # deltas sent to catch a learner up before a whole value is cheaper
+# A follower not reading is ended once this many bytes are queued to it, or twice the whole
+# values of the fragments this replica owns if that is more (what a follower that joins is
+# sent at once): the deltas of every merge since it stopped reading stay in memory for it
+# until then (OUTBOX_LIMIT counts messages, each up to a chunk of a MiB or more).
+FOLLOWER_BACKLOG_MIN_BYTES = 1 << 30
 # A learner follows each replica once, and once more while a call it broke is still ending
 # here: a slot's newer calls end its oldest, so that one slot's calls, however many
 # connections they come on, hold at most this many queues of whole values on a replica.
@@ -88,19 +93,34 @@ class Follower:
         else:
             self.task.cancel()
 
-    def send(self, message: bytes) -> None:
+    def send(self, message: bytes, limit_bytes: int = FOLLOWER_BACKLOG_MIN_BYTES) -> None:
+        """Queue one serialized message, unless the call is over OUTBOX_LIMIT messages or
+        `limit_bytes` behind (it then ends)."""
         if self.ended:
             return
-        if self.outbox.qsize() > OUTBOX_LIMIT:
+        over_bytes = self.queued_bytes and self.queued_bytes + len(message) > limit_bytes
+        if self.outbox.qsize() > OUTBOX_LIMIT or over_bytes:
             # It does not read (a learner blocked, or one that never reads): the call ends.
             # The learner follows again from the values it holds.
-            log.warning("follower_too_slow", queued=OUTBOX_LIMIT, learner=self.slot[:64])
+            log.warning(
+                "follower_too_slow",
+                queued=self.outbox.qsize(),
+                queued_bytes=self.queued_bytes,
+                learner=self.slot[:64],
+            )
             self.end()
             return
         if not self.queued_bytes:
             self.drained_at = time.monotonic()  # the queue starts moving from now
         self.queued_bytes += len(message)
         self.outbox.put_nowait(message)
+
+
+def backlog_limit(owned_values: int, floor: int = FOLLOWER_BACKLOG_MIN_BYTES) -> int:
+    """Bytes queued to a follower before it counts as not reading: `floor`, or twice the
+    float32 values of the fragments this replica owns (`owned_values` of them), whole values
+    being the most a follower is sent at once."""
+    return max(floor, 2 * 4 * owned_values)
 
 
 def most_behind(
@@ -331,10 +351,11 @@ class Followers:
             return
         owned = sorted(self.ownership.owned)
         versions = await self.store.versions(layout.num_fragments)
+        limit = backlog_limit(sum(layout.fragments[p].num_elements for p in owned))
         for p in owned:
             version = versions[p]
             if version is not None:
-                await self._push(p, version, layout)
+                await self._push(p, version, layout, limit)
         # What other replicas own their owners push: taken as sent, so that a fragment this
         # replica takes over later goes on from there (a learner that missed a version then
         # finds a delta that does not follow its values, and fetches the fragment), not
@@ -345,9 +366,12 @@ class Followers:
                     if follower.sent_versions.get(p, -1) < version:
                         follower.sent_versions[p] = version
 
-    async def _push(self, fragment: int, version: int, layout: FragmentLayout) -> None:
+    async def _push(
+        self, fragment: int, version: int, layout: FragmentLayout, limit_bytes: int
+    ) -> None:
         """Bring every follower to the fragment's newest version: the encoded deltas since
-        the version it was last sent, or the whole value."""
+        the version it was last sent, or the whole value (a follower `limit_bytes` behind
+        is ended instead: `Follower.send`)."""
         # Each read only if someone needs it, and serialized once for all: followers share
         # the bytes (a whole value is the model's size; one copy per learner would not fit).
         full: list[tuple[int, bytes]] = []
@@ -392,7 +416,7 @@ class Followers:
                 chunks = full
             follower.sent_versions[fragment] = max(version, chunks[0][0])
             for _, data in chunks:
-                follower.send(data)
+                follower.send(data, limit_bytes)
 
     async def _delta(
         self, fragment: int, version: int, entry: dict[str, Any] | None, layout: FragmentLayout

@@ -137,3 +137,33 @@ def test_a_follower_that_stops_reading_is_ended_and_what_was_queued_to_it_let_go
         return follower.ended, follower.outbox.qsize(), follower.queued_bytes, handler.cancelled()
 
     assert asyncio.run(run()) == (True, 0, 0, True)
+
+
+def test_a_follower_too_many_bytes_behind_is_ended_though_under_the_message_limit() -> None:
+    async def run() -> tuple[bool, bool, int]:
+        handler = asyncio.create_task(asyncio.sleep(60))  # the call's handler, blocked
+        follower = Follower(task=handler)
+        follower.send(b"x" * 900, limit_bytes=1000)
+        follower.send(b"x" * 100, limit_bytes=1000)  # exactly at the limit: still queued
+        at_limit = follower.ended
+        follower.send(b"x", limit_bytes=1000)  # one byte over: the call ends
+        with contextlib.suppress(asyncio.CancelledError):
+            await handler
+        return at_limit, follower.ended, follower.queued_bytes
+
+    assert asyncio.run(run()) == (False, True, 0)
+
+
+def test_a_message_larger_than_the_backlog_limit_still_goes_to_a_follower_not_behind() -> None:
+    async def run() -> tuple[bool, int]:
+        follower = Follower()
+        follower.send(b"x" * 5000, limit_bytes=1000)  # nothing queued before it
+        return follower.ended, follower.queued_bytes
+
+    assert asyncio.run(run()) == (False, 5000)
+
+
+def test_the_backlog_limit_holds_twice_the_whole_values_a_replica_owns() -> None:
+    assert followers.backlog_limit(10, floor=1000) == 1000
+    assert followers.backlog_limit(1_000, floor=1000) == 8_000  # 1,000 float32 values, twice
+    assert followers.backlog_limit(0) == followers.FOLLOWER_BACKLOG_MIN_BYTES
