@@ -204,6 +204,8 @@ class Fused:
     # `into` of several chunks of one range at once (kernels.int8_into_many)
     into_many: Callable[..., None]
     codes: type[np.integer]  # what the packed body is read as
+    # out = base + decoded, in one pass (kernels.int8_onto): a delta onto the value it follows
+    onto: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int], None]
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,7 @@ INT8_FUSED = Fused(
     kernels.int8_squares,
     kernels.int8_into_many,
     np.int8,
+    kernels.int8_onto,
 )
 NIBBLE_FUSED = Fused(
     kernels.nibble_into,
@@ -230,6 +233,7 @@ NIBBLE_FUSED = Fused(
     kernels.nibble_squares,
     kernels.nibble_into_many,
     np.uint8,
+    kernels.nibble_onto,
 )
 
 
@@ -308,6 +312,19 @@ class Blockwise:
             values = self._levels(body, start, stop, scratch, out[start:])
             scale_blocks(values, scales[start // block_size :], block_size, values)
         return out[:n]
+
+    def decode_onto(
+        self, base: np.ndarray, out: np.ndarray, payload: Payload, n: int, block_size: int
+    ) -> bool:
+        """out[:n] = base[:n] + the decoded values, in float32 (bit for bit decode, then
+        np.add), in one compiled pass; False, nothing written, where the codec has none for
+        `block_size`. CodecError for a bad payload."""
+        fused = self._fused(block_size)
+        if fused is None:
+            return False
+        scales, body = self.parts(payload, n, block_size)
+        fused.onto(out[:n], base[:n], body.view(fused.codes), scales, block_size)
+        return True
 
     def move_into(
         self,

@@ -341,6 +341,28 @@ class Codec:
     ) -> Codec:
         return cls(name, wire, encode, blockwise.decode, blockwise.check, blockwise)
 
+    def decode_onto(
+        self, base: np.ndarray, out: np.ndarray, segment: Segment, block_size: int
+    ) -> bool:
+        """out[segment] = base[segment] + the segment decoded, in float32 (what decoding, then
+        np.add give, bit for bit), in one compiled pass; False, nothing written, where the
+        codec has none (the caller decodes, then adds)."""
+        if self.blockwise is None:
+            return False
+        end = segment.offset + segment.count
+        if end > out.size or end > base.size:
+            raise CodecError(
+                f"{self.name} segment [{segment.offset}, {end}) lies beyond the value "
+                f"({min(out.size, base.size)} values)"
+            )
+        return self.blockwise.decode_onto(
+            base[segment.offset : end],
+            out[segment.offset : end],
+            segment.data,
+            segment.count,
+            block_size,
+        )
+
     def move_into(
         self, src: np.ndarray, dst: np.ndarray, weight: float, segment: Segment, block_size: int
     ) -> bool:

@@ -94,7 +94,10 @@ def fused_step(
 def apply_segment(
     base: np.ndarray, out: np.ndarray, segment: Segment, codec: Codec, block_size: int
 ) -> None:
-    """out[segment] = base[segment] + decode(segment), in float32, as the synchronizer did."""
+    """out[segment] = base[segment] + decode(segment), in float32, as the synchronizer did
+    (in one compiled pass where the codec has one)."""
+    if codec.decode_onto(base, out, segment, block_size):
+        return
     end = segment.offset + segment.count
     decoded = codec.decode(segment.data, segment.count, block_size)
     np.add(base[segment.offset : end], decoded, out=out[segment.offset : end], dtype=np.float32)

@@ -128,6 +128,24 @@ def int8_decode(out: np.ndarray, codes: np.ndarray, scales: np.ndarray, bs: int)
 
 
 @_kernel
+def int8_onto(
+    out: np.ndarray, base: np.ndarray, codes: np.ndarray, scales: np.ndarray, bs: int
+) -> None:
+    """out = base + float32(code) * scale per value, in float32: a delta decoded onto the
+    value it follows in one pass (bit for bit int8_decode, then adding)."""
+    n = out.size
+    for b in range(scales.size):
+        lo = b * bs
+        hi = min(lo + bs, n)
+        s = scales[b]
+        o = out[lo:hi]
+        x = base[lo:hi]
+        c = codes[lo:hi]
+        for i in range(hi - lo):
+            o[i] = x[i] + np.float32(c[i]) * s
+
+
+@_kernel
 def nibble_into(
     acc: np.ndarray, w: np.float32, body: np.ndarray, scales: np.ndarray, bs: int
 ) -> float:
@@ -278,6 +296,32 @@ def nibble_decode(out: np.ndarray, body: np.ndarray, scales: np.ndarray, bs: int
 
 
 @_kernel
+def nibble_onto(
+    out: np.ndarray, base: np.ndarray, body: np.ndarray, scales: np.ndarray, bs: int
+) -> None:
+    """int8_onto for 4-bit codes two a byte (nibble_decode's, then adding)."""
+    n = out.size
+    pairs = n // 2
+    half = bs // 2
+    for b in range(scales.size):
+        lo = b * half
+        hi = min(lo + half, pairs)
+        if hi <= lo:
+            break
+        s = scales[b]
+        o = out[2 * lo : 2 * hi]
+        x = base[2 * lo : 2 * hi]
+        c = body[lo:hi]
+        for j in range(hi - lo):
+            byte = np.int32(c[j])
+            o[2 * j] = x[2 * j] + np.float32(np.int32((byte & 15) - 8)) * s
+            o[2 * j + 1] = x[2 * j + 1] + np.float32(np.int32((byte >> 4) - 8)) * s
+    if n % 2:
+        level = np.float32(np.int32((np.int32(body[pairs]) & 15) - 8))
+        out[n - 1] = base[n - 1] + level * scales[(n - 1) // bs]
+
+
+@_kernel
 def add_weighed(acc: np.ndarray, values: np.ndarray, w: np.float32) -> None:
     """acc += values * w in float32 (times one skipped: it is exact)."""
     if w == 1:
@@ -371,6 +415,8 @@ def warm() -> None:
     payload = np.frombuffer(bytes(4), np.uint8)
     int8_into(acc, np.float32(1), payload.view(np.int8), scales, 2)
     int8_decode(acc, payload.view(np.int8), scales, 2)
+    int8_onto(acc, acc.copy(), payload.view(np.int8), scales, 2)
+    nibble_onto(acc, acc.copy(), payload, scales, 2)
     nibble_into(acc, np.float32(1), payload, scales, 2)
     nibble_decode(acc, payload, scales, 2)
     int8_move(acc, acc.copy(), np.float32(1), payload.view(np.int8), scales, 2)
