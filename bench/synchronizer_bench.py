@@ -160,7 +160,7 @@ def _client_process(
     session, stop = None, threading.Event()
     try:
         if client.session:
-            kernels.warm()  # as a learner's session has by its first new version (connect)
+            kernels.warm_decoders()  # as a learner's session does when it connects
             session = SynchronizerClient(
                 [client.session],
                 job="default",
@@ -361,6 +361,8 @@ def measure_raw(
     acks outstanding; or, `per_call`, IN_FLIGHT calls of one payload each at a time. With
     `summing` (a fragment's values), the sink sums what it is sent (`_Summer`), and the
     clients stream int8 updates of that many values, in Ingest's chunks, on one call each."""
+    if per_call and summing:
+        raise ValueError("the floor streams updates on one call each: per_call or summing")
     name = "raw-per-call" if per_call else "floor" if summing else "raw"
     workdir = workdir / name
     workdir.mkdir()
@@ -404,6 +406,7 @@ class _Summer:
     def __init__(self) -> None:
         self.codec = codecs.by_name("int8")
         self.acc: np.ndarray | None = None
+        self.failure = ""  # why a batch could not be summed: the calls then fail with it
         self.queue: queue.SimpleQueue[
             tuple[int, int, memoryview, xxhash.xxh3_64 | None, Callable[[], object] | None] | None
         ] = queue.SimpleQueue()
@@ -422,9 +425,12 @@ class _Summer:
         """A future done once every chunk queued so far is hashed and summed."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[int] = loop.create_future()
-        self.queue.put(
-            (0, 0, memoryview(b""), None, lambda: loop.call_soon_threadsafe(future.set_result, 1))
-        )
+
+        def resolve() -> None:
+            if not future.done():  # its call may have been cancelled meanwhile
+                future.set_result(1)
+
+        self.queue.put((0, 0, memoryview(b""), None, lambda: loop.call_soon_threadsafe(resolve)))
         return future
 
     def _run(self) -> None:
@@ -439,30 +445,36 @@ class _Summer:
                     self.queue.put(None)
                     break
                 batch.append(more)
-            for _, _, data, hasher, _ in batch:
-                if hasher is not None:
-                    hasher.update(data)
-            ranges: dict[tuple[int, int], list[codecs.Ready]] = {}
-            assert self.acc is not None
-            for offset, count, data, hasher, _ in batch:
-                if hasher is None:  # a marker (`done`)
-                    continue
-                segment = codecs.Segment(offset, count, data)
-                ready = self.codec.ready(self.acc, 1.0, segment, codecs.DEFAULT_BLOCK_SIZE)
-                assert ready is not None  # int8 at the default block size is compiled
-                ranges.setdefault((offset, count), []).append(ready)
-            for (offset, count), chunks in ranges.items():
-                for i in range(0, len(chunks), kernels.MANY):
-                    self.codec.decode_many(
-                        self.acc,
-                        offset,
-                        count,
-                        codecs.DEFAULT_BLOCK_SIZE,
-                        chunks[i : i + kernels.MANY],
-                    )
+            try:
+                self._sum(batch)
+            except Exception as err:  # every call waiting fails with it (`serve_raw_sink`)
+                self.failure = self.failure or repr(err)
             for *_, finished in batch:
                 if finished is not None:
                     finished()
+
+    def _sum(
+        self,
+        batch: list[tuple[int, int, memoryview, Any, Callable[[], object] | None]],
+    ) -> None:
+        for _, _, data, hasher, _ in batch:
+            if hasher is not None:
+                hasher.update(data)
+        ranges: dict[tuple[int, int], list[codecs.Ready]] = {}
+        assert self.acc is not None
+        for offset, count, data, hasher, _ in batch:
+            if hasher is None:  # a marker (`done`)
+                continue
+            segment = codecs.Segment(offset, count, data)
+            ready = self.codec.ready(self.acc, 1.0, segment, codecs.DEFAULT_BLOCK_SIZE)
+            if ready is None:
+                raise ValueError("int8 at the default block size has no compiled sum")
+            ranges.setdefault((offset, count), []).append(ready)
+        for (offset, count), chunks in ranges.items():
+            for i in range(0, len(chunks), kernels.MANY):
+                self.codec.decode_many(
+                    self.acc, offset, count, codecs.DEFAULT_BLOCK_SIZE, chunks[i : i + kernels.MANY]
+                )
 
 
 def serve_raw_sink(port_file: Path, summing: bool = False) -> None:
@@ -499,6 +511,10 @@ def serve_raw_sink(port_file: Path, summing: bool = False) -> None:
             if received >= size:  # one whole payload in: ack it once it is summed
                 received -= size
                 await summer.done()
+                if summer.failure:
+                    await context.abort(
+                        grpc.StatusCode.INTERNAL, f"the summing sink failed: {summer.failure}"
+                    )
                 yield b"ok" if hasher.intdigest() == header.checksum else b"bad"
                 hasher = xxhash.xxh3_64()
 

@@ -267,9 +267,7 @@ class SynchronizerClient:
         Waits for as long as no synchronizer answers (or until `give_up_s`, or `stop`)."""
         self._thread = threading.Thread(target=self._run, name="atoll-session", daemon=True)
         self._thread.start()
-        # The compiled decoders new values are applied with, loaded (from numba's cache)
-        # now rather than by the first new value, which waits for them a second or more.
-        threading.Thread(target=kernels.warm, name="atoll-warm", daemon=True).start()
+        self._warm()
         self._start_ingest()
         said = time.monotonic()
         while not self._connected.wait(0.5):
@@ -296,7 +294,14 @@ class SynchronizerClient:
         this learner holds the session and hands on what it says (`set_owners`, `settle`)."""
         self._data_only = True
         self._channel = self._open_channel(self.addresses[0])
+        self._warm()
         self._start_ingest()
+
+    def _warm(self) -> None:
+        """Load the compiled decoders new values are applied with (from numba's cache) now,
+        on a thread of their own, rather than by the first new value, which would wait for
+        them a second or more."""
+        threading.Thread(target=kernels.warm_decoders, name="atoll-warm", daemon=True).start()
 
     def _start_ingest(self) -> None:
         self._ingesters = [

@@ -408,17 +408,26 @@ def float32_move(src: np.ndarray, dst: np.ndarray, w: np.float32, values: np.nda
             dst[i] += v
 
 
+def warm_decoders() -> None:
+    """Compile (or load from the cache) what a learner applies new values with: decoding,
+    and decoding onto the value a delta follows."""
+    acc = np.zeros(4, np.float32)
+    scales = np.frombuffer(np.ones(2, np.float32).tobytes(), np.float32)
+    payload = np.frombuffer(bytes(4), np.uint8)
+    int8_decode(acc, payload.view(np.int8), scales, 2)
+    nibble_decode(acc, payload, scales, 2)
+    int8_onto(acc, acc.copy(), payload.view(np.int8), scales, 2)
+    nibble_onto(acc, acc.copy(), payload, scales, 2)
+
+
 def warm() -> None:
     """Compile (or load from the cache) every kernel for the types the codecs pass."""
+    warm_decoders()
     acc = np.zeros(4, np.float32)
     scales = np.frombuffer(np.ones(2, np.float32).tobytes(), np.float32)
     payload = np.frombuffer(bytes(4), np.uint8)
     int8_into(acc, np.float32(1), payload.view(np.int8), scales, 2)
-    int8_decode(acc, payload.view(np.int8), scales, 2)
-    int8_onto(acc, acc.copy(), payload.view(np.int8), scales, 2)
-    nibble_onto(acc, acc.copy(), payload, scales, 2)
     nibble_into(acc, np.float32(1), payload, scales, 2)
-    nibble_decode(acc, payload, scales, 2)
     int8_move(acc, acc.copy(), np.float32(1), payload.view(np.int8), scales, 2)
     nibble_move(acc, acc.copy(), np.float32(1), payload, scales, 2)
     values = np.frombuffer(acc.tobytes(), np.float32)
