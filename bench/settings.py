@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
@@ -445,10 +447,23 @@ class BenchCommand(AtollSettings):
         # SIGTERM (a timeout, a stopped job) ends a bench as Ctrl-C does: its temporary
         # folders (at 1e9, tens of GB of tensor store) are removed and its children stopped.
         signal.signal(signal.SIGTERM, _exit_on_signal)
-        CliApp.run_subcommand(self)
+        try:
+            CliApp.run_subcommand(self)
+        finally:
+            if _SIGNALLED:
+                # Everything is cleaned up once the exit has unwound to here. What is left is
+                # the interpreter's teardown, where a gRPC channel the signal cut off mid-call
+                # can wait forever in its destructor: the process ends without it.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(128 + _SIGNALLED[0])
+
+
+_SIGNALLED: list[int] = []  # the signal that stopped the bench, once one has
 
 
 def _exit_on_signal(signum: int, _: FrameType | None) -> None:
+    _SIGNALLED.append(signum)
     raise SystemExit(128 + signum)
 
 
