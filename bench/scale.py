@@ -81,11 +81,16 @@ def _peak_rss_mb(pid: int) -> float:
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) a live process has used so far."""
+    """CPU seconds (user + system) a live process has used so far. ProcessLookupError for
+    one that is gone: a part that died during a measurement fails it, rather than reading
+    as a process that spent nothing."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
+        raise ProcessLookupError(
+            f"process {pid} is gone, so its CPU time cannot be read: it exited during the "
+            "measurement (its log says why)"
+        ) from None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

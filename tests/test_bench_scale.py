@@ -8,10 +8,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from bench.scale import freshness
+import pytest
+
+from bench.scale import cpu_seconds, freshness
 from cluster.processes import atoll_command
 
 KEYS = {
@@ -139,3 +142,15 @@ def _in_session(sid: int) -> list[str]:
             if int(fields[3]) == sid and fields[0] != "Z":
                 alive.append(stat.parent.name)
     return alive
+
+
+def test_cpu_seconds_of_a_process_that_is_gone_fail_rather_than_read_zero() -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )  # exited and reaped: no longer in /proc
+    assert cpu_seconds(os.getpid()) > 0
+    with pytest.raises(ProcessLookupError, match="exited during the measurement"):
+        cpu_seconds(int(gone.stdout))
