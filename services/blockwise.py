@@ -314,16 +314,24 @@ class Blockwise:
         return out[:n]
 
     def decode_onto(
-        self, base: np.ndarray, out: np.ndarray, payload: Payload, n: int, block_size: int
+        self,
+        base: np.ndarray,
+        out: np.ndarray,
+        offset: int,
+        count: int,
+        payload: Payload,
+        block_size: int,
     ) -> bool:
-        """out[:n] = base[:n] + the decoded values, in float32 (bit for bit decode, then
-        np.add), in one compiled pass; False, nothing written, where the codec has none for
-        `block_size`. CodecError for a bad payload."""
+        """out[offset : offset + count] = the same of base + the decoded values, in float32
+        (bit for bit decode, then np.add), in one compiled pass; False, nothing written, where
+        the codec has none for `block_size`. CodecError for a bad payload or a segment
+        outside either array."""
         fused = self._fused(block_size)
         if fused is None:
             return False
-        scales, body = self.parts(payload, n, block_size)
-        fused.onto(out[:n], base[:n], body.view(fused.codes), scales, block_size)
+        scales, body = self.parts(payload, count, block_size)
+        o, x = target(out, offset, count, self.what), target(base, offset, count, self.what)
+        fused.onto(o, x, body.view(fused.codes), scales, block_size)
         return True
 
     def move_into(

@@ -345,22 +345,12 @@ class Codec:
         self, base: np.ndarray, out: np.ndarray, segment: Segment, block_size: int
     ) -> bool:
         """out[segment] = base[segment] + the segment decoded, in float32 (what decoding, then
-        np.add give, bit for bit), in one compiled pass; False, nothing written, where the
-        codec has none (the caller decodes, then adds)."""
+        np.add give, bit for bit), in one compiled pass (Blockwise.decode_onto); False,
+        nothing written, where the codec has none (the caller decodes, then adds)."""
         if self.blockwise is None:
             return False
-        end = segment.offset + segment.count
-        if end > out.size or end > base.size:
-            raise CodecError(
-                f"{self.name} segment [{segment.offset}, {end}) lies beyond the value "
-                f"({min(out.size, base.size)} values)"
-            )
         return self.blockwise.decode_onto(
-            base[segment.offset : end],
-            out[segment.offset : end],
-            segment.data,
-            segment.count,
-            block_size,
+            base, out, segment.offset, segment.count, segment.data, block_size
         )
 
     def move_into(
