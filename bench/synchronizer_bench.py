@@ -58,6 +58,7 @@ from services.layout import LeafSpec
 from services.lifecycle import reuse_large_buffers, watch_parent
 from services.wire import DEFAULT_MAX_CHUNK_BYTES
 from synchronizer.admission import Arrived, parse_chunk
+from synchronizer.worker import TOGETHER
 
 if TYPE_CHECKING:
     from bench.settings import SynchronizerBench
@@ -376,9 +377,11 @@ def measure_raw(
     ).start()
     try:
         address = f"127.0.0.1:{wait_for_file(port_file, sink)['grpc']}"
-        kind, chunks = ("raw_calls" if per_call else "raw"), _chunks(payload_bytes)
+        kind = "raw_calls" if per_call else "raw"
         if summing:
             chunks, payload_bytes = _update_chunks(summing)
+        else:
+            chunks = _chunks(payload_bytes)
         parts = [Client(kind, i, address, chunks, payload_bytes) for i in range(clients)]
         return _run_clients(parts, seconds, {"raw_sink": sink.pid})
     finally:
@@ -436,7 +439,7 @@ class _Summer:
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
             batch = [item]
-            while len(batch) < 16:
+            while len(batch) < TOGETHER:  # as many as the owner's worker takes at once
                 try:
                     more = self.queue.get_nowait()
                 except queue.Empty:
