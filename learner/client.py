@@ -37,7 +37,7 @@ from services import telemetry as tm
 from services.codec import Segment
 from services.downlink import apply_segment
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
-from services.grpcopts import backoff_delays, channel_options
+from services.grpcopts import backoff_delays, channel_options, target_host
 from services.layout import LeafSpec
 from services.wire import DEFAULT_MAX_CHUNK_BYTES, segments_header
 from services.wirecount import counting_parser, counting_serializer
@@ -206,13 +206,18 @@ class SynchronizerClient:
         give_up_s: float = 0.0,
         routes: Mapping[str, str] | None = None,
         version_notices: bool = False,
+        tls_server_name: str = "",
     ) -> None:
         """`credentials`: TLS (services.tls.learner_credentials); None: plaintext. `token`
         goes with every call as `authorization: Bearer` (per-slot or the job's). `routes`:
         advertised owner address -> the address this learner reaches it at. `give_up_s`:
         raise SessionError once no synchronizer has answered for this long (0: never).
         `version_notices`: the session is told new versions (into `notices`) instead of being
-        sent their values (a learner of several processes fetches its ranges itself)."""
+        sent their values (a learner of several processes fetches its ranges itself).
+        `tls_server_name`: with TLS, the name each owner's certificate is checked against
+        when this learner dials it at the address it advertises (an IP, in the chart): every
+        replica holds the synchronizers' certificate, which names their Service, not their
+        pods. Default: the host of the first address, as its session's channel checks."""
         if not addresses:
             raise ValueError("give at least one synchronizer address HOST:PORT")
         self.addresses = list(addresses)
@@ -221,6 +226,7 @@ class SynchronizerClient:
         self.params = list(params)
         self.token = token
         self.credentials = credentials
+        self.tls_server_name = tls_server_name or target_host(self.addresses[0])
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
@@ -542,7 +548,7 @@ class SynchronizerClient:
         """The channel to an owner, by the address it is reached at (under lock)."""
         channel = self._owner_channels.get(address)
         if channel is None:
-            channel = self._open_channel(address)
+            channel = self._open_channel(address, owner=True)
             self._owner_channels[address] = channel
             self._watch(address, channel)
         return channel
@@ -555,12 +561,17 @@ class SynchronizerClient:
         channel = self._owner_channel(self._reached_at(address))
         return self._method("stream_unary", "Ingest", session_pb2.Ack, channel)
 
-    def _open_channel(self, address: str) -> grpc.Channel:
+    def _open_channel(self, address: str, owner: bool = False) -> grpc.Channel:
         # A connection of its own (not shared with other clients of this process, as gRPC
         # shares them by default): per-connection limits count this learner's calls only.
-        options = [*channel_options(self.max_backoff_s), ("grpc.use_local_subchannel_pool", 1)]
+        options: list[tuple[str, int | str]] = [
+            *channel_options(self.max_backoff_s),
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
         if self.credentials is None:
             return grpc.insecure_channel(address, options=options)
+        if owner and self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
         return grpc.secure_channel(address, self.credentials, options=options)
 
     def _watch(self, address: str, channel: grpc.Channel) -> None:

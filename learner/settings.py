@@ -95,6 +95,13 @@ class LearnerSettings(ModelConfig, AtollSettings):
         None, description="PEM client certificate of this learner slot (mTLS)"
     )
     tls_key: Path | None = Field(None, description="PEM private key of --tls-cert")
+    tls_server_name: str = Field(
+        "",
+        description="the name every replica's certificate is checked against when this learner "
+        "sends to it at the address it advertises (replicas share one certificate naming "
+        "their Service, and advertise their pod IP); default: the host of the first "
+        "--synchronizer address",
+    )
     steps: int = Field(0, ge=0, description="inner steps to run, then leave; 0: run until stopped")
     shard: int = Field(0, ge=0, description="this learner's data shard index")
     num_shards: int = Field(1, ge=1, description="number of data shards")

@@ -157,6 +157,7 @@ class SyncEngine:
             max_backoff_s=settings.max_backoff_s,
             give_up_s=settings.give_up_s,
             routes=parse_routes(settings.route),
+            tls_server_name=settings.tls_server_name,
         )
 
     # --- joining --------------------------------------------------------------------------

@@ -67,3 +67,22 @@ def split_hostport(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"address {address!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
     return host.strip("[]"), int(port)
+
+
+def target_host(target: str) -> str:
+    """The host name a secure channel to `target` checks the server's certificate against,
+    as gRPC takes it from the target: `HOST:PORT`, `[V6]:PORT`, `dns:[//AUTHORITY]/HOST:PORT`,
+    `ipv4:ADDR:PORT` and `ipv6:[ADDR]:PORT` (the first of a list). "" for a target that
+    names no host (`unix:`, `unix-abstract:`, `vsock:`)."""
+    scheme, sep, rest = target.partition(":")
+    if sep and scheme in ("unix", "unix-abstract", "vsock"):
+        return ""
+    if sep and scheme == "dns":
+        rest = rest.removeprefix("//").partition("/")[2] if rest.startswith("//") else rest
+        target = rest.lstrip("/")
+    elif sep and scheme in ("ipv4", "ipv6"):
+        target = rest.split(",")[0]
+    if target.startswith("["):
+        return target[1 : target.find("]")] if "]" in target else target
+    host, sep, port = target.rpartition(":")
+    return host if sep and port.isdigit() else target

@@ -210,27 +210,9 @@ def test_mtls_a_learner_with_its_certificate_trains_one_without_is_refused(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         health_port = s.getsockname()[1]
-    sync = synchronizer_child(
-        tmp_path,
-        redis_server.url,
-        "sync-tls",
-        [
-            "--fragments",
-            str(P),
-            "--grace-seconds",
-            "0",
-            "--health-listen",
-            f"127.0.0.1:{health_port}",
-        ],
-        security=[
-            "--tls-cert",
-            str(files.server_cert),
-            "--tls-key",
-            str(files.server_key),
-            "--tls-ca",
-            str(files.ca),
-        ],
-    ).start_and_wait()
+    sync = tls_synchronizer(
+        tmp_path, redis_server, files, "--health-listen", f"127.0.0.1:{health_port}"
+    )
     r = redis.Redis(port=redis_server.port)
     cert, key = files.client("l0")
     c = support.client(
@@ -274,6 +256,63 @@ def test_mtls_a_learner_with_its_certificate_trains_one_without_is_refused(
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         c.close()
+        sync.stop()
+
+
+def tls_synchronizer(
+    tmp_path: Path, redis_server: RedisServer, files: tls.TlsFiles, *flags: str
+) -> SynchronizerChild:
+    """A replica on mTLS with `files`' server certificate, its updates merged at once."""
+    security = ["--tls-cert", str(files.server_cert), "--tls-key", str(files.server_key)]
+    return synchronizer_child(
+        tmp_path,
+        redis_server.url,
+        "sync-tls",
+        ["--fragments", str(P), "--grace-seconds", "0", *flags],
+        security=[*security, "--tls-ca", str(files.ca)],
+    ).start_and_wait()
+
+
+def test_tls_owners_are_checked_against_the_synchronizers_name_not_the_address_they_advertise(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # As in the chart: the certificate names the synchronizers (here "localhost" and a
+    # Service-like name), not the pod address (here 127.0.0.1) each replica advertises.
+    files = tls.generate(tmp_path / "tls", ["l0"], hosts=("synchronizers.atoll.test",))
+    sync = tls_synchronizer(tmp_path, redis_server, files)
+    r = redis.Redis(port=redis_server.port)
+    port = sync.address.rpartition(":")[2]
+    credentials = tls.channel_credentials(files.ca, *files.client("l0"))
+
+    def learner(**kw: str) -> SynchronizerClient:
+        return support.client([f"localhost:{port}"], "l0", credentials=credentials, **kw)
+
+    try:
+        # By default, the name the session was dialed by: updates reach the owner.
+        c = learner()
+        try:
+            assert owner_address(c, 0) == f"127.0.0.1:{port}"
+            support.initialize(c, P)
+            still_merges(c, r)
+        finally:
+            c.close()
+        # Another name the certificate holds, given: as good.
+        c = learner(tls_server_name="synchronizers.atoll.test")
+        try:
+            still_merges(c, r)
+        finally:
+            c.close()
+        # A name it does not hold: the owner is not trusted, nothing it is sent arrives.
+        c = learner(tls_server_name="elsewhere.atoll.test")
+        try:
+            v = support.version(r, 0)
+            seq = support.send_delta(c, 0, P, v, seed=7)
+            with pytest.raises(TimeoutError):
+                c.wait_ack(seq, 5, received=True)
+            assert support.version(r, 0) == v
+        finally:
+            c.close()
+    finally:
         sync.stop()
 
 
