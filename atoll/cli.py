@@ -24,7 +24,7 @@ from sim.settings import SimSettings
 
 
 class SynchronizerCommand(SynchronizerSettings):
-    """Run one synchronizer replica (stateless; all state in Redis)."""
+    """Run one synchronizer replica (stateless: state in Redis and the tensor store)."""
 
     def cli_cmd(self) -> None:
         from synchronizer.server import run
@@ -103,7 +103,7 @@ class Atoll(BaseSettings):
     )
 
     synchronizer: CliSubCommand[SynchronizerCommand] = Field(
-        description="run one synchronizer replica (stateless; state in Redis)"
+        description="run one synchronizer replica (stateless: state in Redis and the tensor store)"
     )
     learner: CliSubCommand[LearnerCommand] = Field(
         description="run one learner: a JAX inner loop syncing fragments"
