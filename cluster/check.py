@@ -11,11 +11,16 @@
 - after the final sync every live learner holds the global model: each learner's last
   `finished` checksums equal the checksums of its fragments' last commits (a slot that left
   the job, `atoll up --scale`, is not held to it).
+
+Beside them, how fast owners came back (`recommits`): after each synchronizer killed, the
+seconds until each fragment it owned committed again, and after each Redis restart, until
+every fragment did; each within an owner lease and RECOMMIT_SLACK_S.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +33,11 @@ from cluster.report import Invariants, dropped_with_sender
 from services import goodput as gp
 from services import tape
 from services.config import AtollSettings
+from synchronizer.ownership import OWNER_TTL_S
+
+# A killed owner's fragments (every fragment, after a Redis restart) commit again within an
+# owner lease and this much: the round's updates are sent again and merged.
+RECOMMIT_SLACK_S = 5.0
 
 
 def check_tape(events: Sequence[dict[str, Any]]) -> Invariants:
@@ -116,6 +126,57 @@ def _final_models(
     ]
 
 
+def recommits(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per fragment a fault took its owner from (a synchronizer killed: those it owned last;
+    Redis restarted: every fragment), the seconds from the fault until its next commit
+    (None: none came while the learners trained). A fault too near the end of training for
+    the bound to have run out is left out."""
+    ordered = sorted(events, key=lambda e: float(e["t"]))
+    bound = OWNER_TTL_S + RECOMMIT_SLACK_S
+    ended = next((float(e["t"]) for e in ordered if e["kind"] == "training_ended"), math.inf)
+    merged = sorted(
+        (float(e.get("at", e["t"])), int(e["fragment"])) for e in ordered if e["kind"] == "merged"
+    )
+    owner: dict[int, str] = {}
+    out: list[dict[str, Any]] = []
+    for e in ordered:
+        t = float(e["t"])
+        if e["kind"] == "owned":
+            owner[int(e["fragment"])] = str(e["who"])
+            continue
+        if e["kind"] == "killed" and "synchronizer" in e:
+            fault, hit = (
+                "synchronizer-kill",
+                {p for p, w in owner.items() if w == e["synchronizer"]},
+            )
+        elif e["kind"] == "fault" and e.get("fault") == "redis-restart":
+            fault, hit = "redis-restart", {p for _, p in merged}
+        else:
+            continue
+        for p in sorted(hit):
+            after = next((m for m, q in merged if q == p and m > t), None)
+            if after is None and ended < t + bound:
+                continue  # training ended first: nothing left to commit
+            seconds = None if after is None else round(after - t, 3)
+            out.append({"fault": fault, "t": t, "fragment": p, "seconds": seconds})
+    return out
+
+
+def recommit_summary(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """`recommits`, summed up: how many, the slowest, and how many missed the bound."""
+    found = recommits(events)
+    bound = OWNER_TTL_S + RECOMMIT_SLACK_S
+    seconds = [r["seconds"] for r in found if r["seconds"] is not None]
+    late = [r for r in found if r["seconds"] is None or r["seconds"] > bound]
+    return {
+        "fragments": len(found),
+        "slowest_s": max(seconds) if seconds else None,
+        "bound_s": bound,
+        "late": len(late),
+        "late_detail": late[:10],
+    }
+
+
 def summarize(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     inv = check_tape(events)
     g = gp.from_tape(events)
@@ -131,6 +192,7 @@ def summarize(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "useful_seconds": round(g.useful_s, 3),
         "provisioned_seconds": round(g.provisioned_s, 3),
         "goodput": round(g.goodput, 4),
+        "recommits": recommit_summary(events),
         "invariants": {
             "ok": inv.ok,
             "lost_updates": inv.lost_updates,

@@ -1,6 +1,7 @@
 from typing import Any
 
-from cluster.check import check_tape, summarize
+from cluster.check import RECOMMIT_SLACK_S, check_tape, recommit_summary, recommits, summarize
+from synchronizer.ownership import OWNER_TTL_S
 
 
 def _run(
@@ -93,3 +94,57 @@ def test_rounds_die_by_their_owners_epochs_not_by_when_lines_were_written() -> N
     # Received again under the new epoch and never merged: lost, whatever the times say.
     again = {**late, "t": 1.2, "who": "s1", "epoch": 2}
     assert check_tape(_run(add=[owned, late, again])).lost_updates == 1
+
+
+def _owners_run() -> list[dict[str, Any]]:
+    """Two replicas, s0 owning fragments 0 and 1, s1 fragment 2; s0 killed at 10 s, Redis
+    restarted at 40 s, training over at 60 s."""
+    events: list[dict[str, Any]] = [
+        {"t": 1.0, "who": "s0", "kind": "owned", "fragment": 0, "epoch": 1},
+        {"t": 1.0, "who": "s0", "kind": "owned", "fragment": 1, "epoch": 1},
+        {"t": 1.0, "who": "s1", "kind": "owned", "fragment": 2, "epoch": 1},
+        {"t": 10.0, "who": "cluster", "kind": "killed", "synchronizer": "s0"},
+        {"t": 18.5, "who": "s1", "kind": "owned", "fragment": 0, "epoch": 2},
+        {"t": 18.5, "who": "s1", "kind": "owned", "fragment": 1, "epoch": 2},
+        {"t": 40.0, "who": "cluster", "kind": "fault", "fault": "redis-restart"},
+        {"t": 60.0, "who": "cluster", "kind": "training_ended", "versions": [9, 9, 9]},
+    ]
+    merged = {0: [5.0, 20.0, 45.0], 1: [6.0, 21.0, 44.0], 2: [7.0, 12.0, 41.0]}
+    for p, times in merged.items():
+        for v, t in enumerate(times, 1):
+            events.append({"t": t, "who": "s1", "kind": "merged", "fragment": p, "version": v})
+    return events
+
+
+def test_recommits_follow_the_owner_killed_and_every_fragment_after_redis() -> None:
+    found = recommits(_owners_run())
+    by = {(r["fault"], r["fragment"]): r["seconds"] for r in found}
+    # Fragment 2 was not the killed replica's: it is not held to the bound for that fault.
+    assert by == {
+        ("synchronizer-kill", 0): 10.0,
+        ("synchronizer-kill", 1): 11.0,
+        ("redis-restart", 0): 5.0,
+        ("redis-restart", 1): 4.0,
+        ("redis-restart", 2): 1.0,
+    }
+    summary = recommit_summary(_owners_run())
+    assert summary["late"] == 0
+    assert summary["slowest_s"] == 11.0
+    assert summary["bound_s"] == OWNER_TTL_S + RECOMMIT_SLACK_S
+
+
+def test_a_fragment_that_never_commits_again_is_late_unless_training_ended_first() -> None:
+    events = [e for e in _owners_run() if not (e["kind"] == "merged" and e["t"] in (20.0, 44.0))]
+    late = recommit_summary(events)["late_detail"]
+    # Fragment 0's next commit after the kill came at 45 s: late. Fragment 1 never
+    # committed after Redis's restart: late (training went on 20 s more).
+    assert {(r["fault"], r["fragment"], r["seconds"]) for r in late} == {
+        ("synchronizer-kill", 0, 35.0),
+        ("redis-restart", 1, None),
+    }
+    # A restart 2 s before training ended: nothing could be held to the bound.
+    near_end = [
+        *_owners_run(),
+        {"t": 58.0, "who": "cluster", "kind": "fault", "fault": "redis-restart"},
+    ]
+    assert not [r for r in recommits(near_end) if r["t"] == 58.0]

@@ -136,6 +136,7 @@ def build_report(
     merged: dict[str, dict[str, int]] | None = None,
     commit_logs: Sequence[Sequence[dict[str, Any]]] = (),
     unreported: dict[str, tuple[int, int]] | None = None,
+    recommits: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`unreported`: learner slots that wrote no summary (they ended dead), with the steps the
     synchronizer last heard of from them and the tokens each step took."""
@@ -184,7 +185,12 @@ def build_report(
             "rejected": int(stats.get("updates_rejected", 0)),
             "stale_folded": int(stats.get("stale_folded", 0)),
         },
-        "faults": {"injected": len(faults), "schedule": list(faults)},
+        "faults": {
+            "injected": len(faults),
+            "schedule": list(faults),
+            # From the tape, when the run keeps one (cluster/check.py).
+            **({"recommits": recommits} if recommits is not None else {}),
+        },
         "invariants": {
             "ok": invariants.ok,
             "lost_updates": invariants.lost_updates,

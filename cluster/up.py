@@ -25,6 +25,7 @@ from typing import Any
 import redis
 
 from cluster.chaos import NETWORK_KINDS, ChaosError, Fault, parse, schedule
+from cluster.check import recommit_summary
 from cluster.export import export_model
 from cluster.faultproxy import FaultProxy
 from cluster.metrics import Target, write_file_sd
@@ -565,6 +566,7 @@ class LocalCluster:
             merged=merged_by_incarnation(logs),
             commit_logs=logs,
             unreported=unreported,
+            recommits=recommit_summary(read_tape(self.s.tape)) if self.s.tape else None,
         )
 
     def _close_tape(self, r: Any, logs: list[list[dict[str, Any]]]) -> None:
