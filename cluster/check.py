@@ -12,9 +12,11 @@
   `finished` checksums equal the checksums of its fragments' last commits (a slot that left
   the job, `atoll up --scale`, is not held to it).
 
-Beside them, how fast owners came back (`recommits`): after each synchronizer killed, the
-seconds until each fragment it owned committed again, and after each Redis restart, until
-every fragment did; each within an owner lease and RECOMMIT_SLACK_S.
+Beside them, how fast owners came back (`recommits`): after each synchronizer killed, how
+long each fragment it owned went without an owner, and how long the updates of it that the
+kill caught (in flight, or sent while it had no owner) waited for their commit; after each
+Redis restart, how long the updates in flight waited. Each within an owner lease and
+RECOMMIT_SLACK_S.
 """
 
 from __future__ import annotations
@@ -127,16 +129,33 @@ def _final_models(
 
 
 def recommits(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per fragment a fault took its owner from (a synchronizer killed: those it owned last;
-    Redis restarted: every fragment), the seconds from the fault until its next commit
-    (None: none came while the learners trained). A fault too near the end of training for
-    the bound to have run out is left out."""
+    """Per fragment a fault took from its owner (a synchronizer killed: those it owned last;
+    Redis restarted: every fragment), how long the fault kept it from committing what it
+    was sent (`seconds`): until a replica owned it again (`owned_s`; a killed owner's
+    only), and for each of its updates the fault caught (in flight at it, or sent before
+    the fragment was owned again: `updates`), from the fault or the update's sending,
+    whichever came later, to its commit. None: never, while the learners trained. What
+    training's end came too soon after to be held to the bound is left out.
+
+    A fragment commits only what its learners send, each in its turn: measured from the
+    fault to the fragment's next commit, a fault would count the learners' cadence too."""
     ordered = sorted(events, key=lambda e: float(e["t"]))
     bound = OWNER_TTL_S + RECOMMIT_SLACK_S
     ended = next((float(e["t"]) for e in ordered if e["kind"] == "training_ended"), math.inf)
-    merged = sorted(
-        (float(e.get("at", e["t"])), int(e["fragment"])) for e in ordered if e["kind"] == "merged"
-    )
+    committed: dict[str, float] = {}
+    sent: dict[str, tuple[float, int]] = {}  # uid -> (first sent, fragment)
+    for e in ordered:
+        if e["kind"] == "merged":
+            for uid in e["uids"]:
+                committed.setdefault(str(uid), float(e.get("at", e["t"])))
+        elif e["kind"] == "sent":
+            sent.setdefault(str(e["uid"]), (float(e["t"]), int(e["fragment"])))
+    fragments = sorted({int(e["fragment"]) for e in ordered if e["kind"] == "merged"})
+    owned = [(float(e["t"]), int(e["fragment"])) for e in ordered if e["kind"] == "owned"]
+
+    def late_or_moot(t: float) -> bool:
+        return ended >= t + bound  # else training ended first: nothing was left to do
+
     owner: dict[int, str] = {}
     out: list[dict[str, Any]] = []
     for e in ordered:
@@ -145,20 +164,45 @@ def recommits(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             owner[int(e["fragment"])] = str(e["who"])
             continue
         if e["kind"] == "killed" and "synchronizer" in e:
-            fault, hit = (
-                "synchronizer-kill",
-                {p for p, w in owner.items() if w == e["synchronizer"]},
-            )
+            fault = "synchronizer-kill"
+            hit = {
+                p: next((o for o, q in owned if q == p and o > t), None)
+                for p, who in owner.items()
+                if who == e["synchronizer"]
+            }
         elif e["kind"] == "fault" and e.get("fault") == "redis-restart":
-            fault, hit = "redis-restart", {p for _, p in merged}
+            fault, hit = "redis-restart", dict.fromkeys(fragments, t)
         else:
             continue
-        for p in sorted(hit):
-            after = next((m for m, q in merged if q == p and m > t), None)
-            if after is None and ended < t + bound:
-                continue  # training ended first: nothing left to commit
-            seconds = None if after is None else round(after - t, 3)
-            out.append({"fault": fault, "t": t, "fragment": p, "seconds": seconds})
+        for p, back in sorted(hit.items()):
+            if back is None:
+                if late_or_moot(t):
+                    never = {"owned_s": None, "updates": 0, "seconds": None}
+                    out.append({"fault": fault, "t": t, "fragment": p, **never})
+                continue
+            waits = [back - t]
+            caught = [
+                (when, committed.get(uid))
+                for uid, (when, q) in sent.items()
+                if q == p and when < max(back, t) and committed.get(uid, math.inf) > t
+            ]
+            for when, done in caught:
+                start = max(when, t)
+                if done is not None:
+                    waits.append(done - start)
+                elif late_or_moot(start):
+                    waits.append(math.inf)
+            worst = max(waits)
+            out.append(
+                {
+                    "fault": fault,
+                    "t": t,
+                    "fragment": p,
+                    "owned_s": round(back - t, 3) if fault == "synchronizer-kill" else None,
+                    "updates": len(caught),
+                    "seconds": None if math.isinf(worst) else round(worst, 3),
+                }
+            )
     return out
 
 

@@ -96,9 +96,13 @@ def test_rounds_die_by_their_owners_epochs_not_by_when_lines_were_written() -> N
     assert check_tape(_run(add=[owned, late, again])).lost_updates == 1
 
 
-def _owners_run() -> list[dict[str, Any]]:
-    """Two replicas, s0 owning fragments 0 and 1, s1 fragment 2; s0 killed at 10 s, Redis
-    restarted at 40 s, training over at 60 s."""
+def _owners_run(
+    commits: dict[str, float] | None = None, drop: tuple[int, ...] = ()
+) -> list[dict[str, Any]]:
+    """Two replicas: s0 owns fragments 0 and 1, s1 fragment 2. s0 is killed at 10 s and s1
+    owns its fragments at 18.5 s; Redis restarts at 40 s; training ends at 60 s. Update
+    (sent at, fragment, committed at): `commits` moves commits (None: never), `drop` leaves
+    out events by index."""
     events: list[dict[str, Any]] = [
         {"t": 1.0, "who": "s0", "kind": "owned", "fragment": 0, "epoch": 1},
         {"t": 1.0, "who": "s0", "kind": "owned", "fragment": 1, "epoch": 1},
@@ -109,42 +113,49 @@ def _owners_run() -> list[dict[str, Any]]:
         {"t": 40.0, "who": "cluster", "kind": "fault", "fault": "redis-restart"},
         {"t": 60.0, "who": "cluster", "kind": "training_ended", "versions": [9, 9, 9]},
     ]
-    merged = {0: [5.0, 20.0, 45.0], 1: [6.0, 21.0, 44.0], 2: [7.0, 12.0, 41.0]}
-    for p, times in merged.items():
-        for v, t in enumerate(times, 1):
-            events.append({"t": t, "who": "s1", "kind": "merged", "fragment": p, "version": v})
+    events = [e for i, e in enumerate(events) if i not in drop]
+    updates = {
+        "u0": (4.0, 0, 5.0),  # committed before the kill: not the kill's
+        "u1": (9.0, 0, 19.0),  # in flight at the kill: 9 s after it
+        "u2": (12.0, 1, 21.0),  # sent while fragment 1 had no owner: 9 s after its sending
+        "u3": (12.0, 2, 12.5),  # fragment 2's owner lived
+        "u4": (39.5, 2, 44.0),  # in flight at Redis's restart: 4 s after it
+        "u5": (41.0, 0, 41.5),  # sent after the restart
+    }
+    for version, (uid, (sent, p, done)) in enumerate(updates.items(), 1):
+        done = (commits or {}).get(uid, done)
+        events.append({"t": sent, "who": "l0", "kind": "sent", "uid": uid, "fragment": p})
+        if done is not None:
+            merged = {"fragment": p, "version": version, "uids": [uid]}
+            events.append({"t": done, "who": "s1", "kind": "merged", **merged})
     return events
 
 
-def test_recommits_follow_the_owner_killed_and_every_fragment_after_redis() -> None:
-    found = recommits(_owners_run())
-    by = {(r["fault"], r["fragment"]): r["seconds"] for r in found}
-    # Fragment 2 was not the killed replica's: it is not held to the bound for that fault.
-    assert by == {
-        ("synchronizer-kill", 0): 10.0,
-        ("synchronizer-kill", 1): 11.0,
-        ("redis-restart", 0): 5.0,
-        ("redis-restart", 1): 4.0,
-        ("redis-restart", 2): 1.0,
+def test_a_fault_is_timed_by_the_ownership_and_the_updates_it_held_up() -> None:
+    found = {(r["fault"], r["fragment"]): r for r in recommits(_owners_run())}
+    assert {k: (r["owned_s"], r["updates"], r["seconds"]) for k, r in found.items()} == {
+        ("synchronizer-kill", 0): (8.5, 1, 9.0),
+        ("synchronizer-kill", 1): (8.5, 1, 9.0),
+        ("redis-restart", 0): (None, 0, 0.0),
+        ("redis-restart", 1): (None, 0, 0.0),
+        ("redis-restart", 2): (None, 1, 4.0),
     }
     summary = recommit_summary(_owners_run())
     assert summary["late"] == 0
-    assert summary["slowest_s"] == 11.0
+    assert summary["slowest_s"] == 9.0
     assert summary["bound_s"] == OWNER_TTL_S + RECOMMIT_SLACK_S
 
 
-def test_a_fragment_that_never_commits_again_is_late_unless_training_ended_first() -> None:
-    events = [e for e in _owners_run() if not (e["kind"] == "merged" and e["t"] in (20.0, 44.0))]
-    late = recommit_summary(events)["late_detail"]
-    # Fragment 0's next commit after the kill came at 45 s: late. Fragment 1 never
-    # committed after Redis's restart: late (training went on 20 s more).
-    assert {(r["fault"], r["fragment"], r["seconds"]) for r in late} == {
-        ("synchronizer-kill", 0, 35.0),
-        ("redis-restart", 1, None),
+def test_a_fragment_never_owned_again_or_an_update_held_up_too_long_is_late() -> None:
+    # Fragment 1 is never owned again (its update never commits); u1 commits 20 s late.
+    events = _owners_run(commits={"u1": 30.0, "u2": None}, drop=(5,))
+    late = {
+        (r["fault"], r["fragment"], r["seconds"]) for r in recommit_summary(events)["late_detail"]
     }
-    # A restart 2 s before training ended: nothing could be held to the bound.
+    assert late == {("synchronizer-kill", 0, 20.0), ("synchronizer-kill", 1, None)}
+    # A replica killed 2 s before training ended: nothing could be held to the bound.
     near_end = [
         *_owners_run(),
-        {"t": 58.0, "who": "cluster", "kind": "fault", "fault": "redis-restart"},
+        {"t": 58.0, "who": "cluster", "kind": "killed", "synchronizer": "s1"},
     ]
     assert not [r for r in recommits(near_end) if r["t"] == 58.0]
