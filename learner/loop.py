@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +44,52 @@ CHECKPOINT_SHARE = 0.03
 # sync's host work (adopting a global value, queueing an update) before the device idles.
 STEPS_AHEAD = 2
 PROGRESS_EVERY_S = 2.0  # how often a learner rewrites its partial summary
+
+
+class StepClock:
+    """When each dispatched step is done on the devices, read by a thread of its own.
+
+    The host takes a step's loss STEPS_AHEAD steps late, and may be away in between (a sync
+    mode's wait for its merge, an evaluation, a fetch): a time read when it comes back would
+    count that time as the steps' compute, which it is not (it is badput, or nothing).
+    """
+
+    def __init__(self) -> None:
+        self._dispatched: queue.SimpleQueue[tuple[jax.Array, float] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[jax.Array, float, float] | BaseException] = (
+            queue.SimpleQueue()
+        )
+        self.in_flight = 0
+        self._thread = threading.Thread(target=self._watch, name="atoll-step-clock", daemon=True)
+        self._thread.start()
+
+    def dispatched(self, loss: jax.Array, at: float) -> None:
+        """A step was dispatched at `at` (monotonic); `loss` is ready once it is done."""
+        self.in_flight += 1
+        self._dispatched.put((loss, at))
+
+    def next_done(self) -> tuple[jax.Array, float, float]:
+        """The oldest step in flight once it is done: (loss, dispatched at, done at). Raises
+        what the step raised."""
+        item = self._done.get()
+        self.in_flight -= 1
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._dispatched.put(None)
+        self._thread.join(timeout=60)
+
+    def _watch(self) -> None:
+        while (item := self._dispatched.get()) is not None:
+            loss, at = item
+            try:
+                loss.block_until_ready()
+            except BaseException as err:  # the host raises it when it takes the step
+                self._done.put(err)
+                continue
+            self._done.put((loss, at, time.monotonic()))
 
 
 @dataclass
@@ -92,6 +138,7 @@ class InnerLoop:
         self.step = 0
         self.tokens = 0
         self.ema_step_s = 0.0
+        self._devices_done = 0.0  # when the devices were done with the last step taken
         self.loop_steps_seen = 0
         self.steady_steps, self.steady_seconds = 0, 0.0
         self.loss = math.nan
@@ -177,6 +224,13 @@ class InnerLoop:
         if self.sync is not None:
             self.sync.joined(restored, self.step, self.tokens)
         self._compile_step(params, opt_state)
+        clock = StepClock()
+        try:
+            return self._steps(params, opt_state, clock)
+        finally:
+            clock.close()
+
+    def _steps(self, params: Any, opt_state: Any, clock: StepClock) -> dict[str, Any]:
         steps = self.settings.steps
         # The training rate as it runs: steps and wall time from the --rate-after-steps-th on,
         # every hook and checkpoint included (what `atoll bench mfu` compares).
@@ -186,11 +240,10 @@ class InnerLoop:
         # step or a sync's host work runs. A step's loss and time are recorded once it is
         # done, STEPS_AHEAD steps late.
         batch = self._next_batch()
-        in_flight: deque[jax.Array] = deque()
         # A learner standing in for slower hardware (--speed) waits after each step; steps
         # queued ahead would run through that wait and make it faster than it stands for.
         ahead = STEPS_AHEAD if self.settings.speed >= 1.0 else 1
-        done_at = time.monotonic()
+        done_at = self._devices_done = time.monotonic()
         while not self.stop_requested.is_set() and (not steps or self.step < steps):
             if steady is None and self.loop_steps_seen >= self.settings.rate_after_steps:
                 steady = (self.step, time.monotonic())
@@ -198,14 +251,15 @@ class InnerLoop:
             if self.sync is not None and self.sync.job_finished():
                 log.info("job_budget_reached", learner=self.settings.id, step=self.step)
                 break
+            dispatched = time.monotonic()
             params, opt_state, loss = self._train_step(params, opt_state, batch)
             batch = self._next_batch()
             self.step += 1
             self.tokens += self.workload.tokens_per_batch
-            in_flight.append(loss)
+            clock.dispatched(loss, dispatched)
             seconds = 0.0
-            if len(in_flight) > ahead:
-                seconds, done_at = self._step_done(in_flight.popleft(), done_at, len(in_flight))
+            if clock.in_flight > ahead:
+                seconds, done_at = self._step_done(clock, done_at)
             if self.sync is None:
                 continue
             params = self.sync.after_step(
@@ -219,8 +273,8 @@ class InnerLoop:
             if turn and self.step % turn == self.settings.eval_offset % turn:
                 self._evaluate(params)
             self._maybe_checkpoint(params, opt_state)
-        while in_flight:
-            seconds, done_at = self._step_done(in_flight.popleft(), done_at, len(in_flight))
+        while clock.in_flight:
+            seconds, done_at = self._step_done(clock, done_at)
             if self.sync is not None:
                 self.sync.count_compute(seconds)
         if steady is not None:
@@ -237,17 +291,25 @@ class InnerLoop:
         """The next batch, on its way to the devices (the copy does not block)."""
         return meshes.put(self.workload.batches.next(), self.batch_sharding)
 
-    def _step_done(self, loss: jax.Array, since: float, later: int) -> tuple[float, float]:
-        """Wait for a dispatched step's loss (`later` steps were dispatched after it);
-        record it. Returns the step's seconds (since the step before it was done) and when
-        it was done."""
+    def _step_done(self, clock: StepClock, since: float) -> tuple[float, float]:
+        """Wait for the oldest dispatched step (`clock.in_flight` were dispatched with it and
+        after it); record it. Returns the step's seconds and when it was done.
+
+        A step's seconds run from when the devices could start it (the step before it was
+        done, or its dispatch, if later) to when they were done with it, as the clock's
+        thread saw it: the time the host was away in between (a sync mode's wait for its
+        merge, an evaluation) is no step's compute. With --speed below 1, a step ends 1/speed
+        times its devices' time after it could start (`since`: the step before it ended)."""
+        loss, dispatched, done = clock.next_done()
+        later = clock.in_flight
         self.loss = float(loss)
-        done = time.monotonic()
-        seconds = done - since
-        if self.settings.speed < 1.0:  # stand-in for slower hardware
-            time.sleep(seconds * (1.0 / self.settings.speed - 1.0))
-            done = time.monotonic()
-            seconds = done - since
+        # What the devices spent on it: from when they could start it to when they were done.
+        seconds = max(0.0, done - max(self._devices_done, dispatched))
+        self._devices_done = done
+        if self.settings.speed < 1.0:  # stand-in for slower hardware: 1/speed times as long
+            seconds /= self.settings.speed
+            done = max(since, dispatched) + seconds
+            time.sleep(max(0.0, done - time.monotonic()))
         self._record_step(self.step - later, seconds)
         return seconds, done
 

@@ -106,7 +106,7 @@ def test_decoupled_run_trains_commits_and_ends_on_the_global_model(tmp_path: Pat
 
 def test_sync_mode_keeps_every_learner_within_one_fragment_interval(tmp_path: Path) -> None:
     h, p = 8, 2
-    up(
+    report = up(
         tmp_path,
         "--learners",
         "2",
@@ -123,6 +123,14 @@ def test_sync_mode_keeps_every_learner_within_one_fragment_interval(tmp_path: Pa
         "--log-every",
         "1",
     )
+    # The faster learner waits for the slower one's every round: that time is badput
+    # (`waiting`), not also compute. Its steps (each timed from when its devices could start
+    # it to when they were done) add up to about half the slower one's (--speed 0.5).
+    computed = {
+        who: sum(e["seconds"] for e in report["_tape"] if e["kind"] == "step" and e["who"] == who)
+        for who in ("learner-0", "learner-1")
+    }
+    assert computed["learner-0"] <= 0.75 * computed["learner-1"], computed
     timelines = []
     for i in range(2):
         summary = json.loads((tmp_path / "w" / f"learner-{i}.1.summary.json").read_text())
