@@ -93,7 +93,8 @@ class LocalCluster:
         self._later: list[tuple[float, str, Child]] = []  # (time, action, child)
         self._down: set[str] = set()  # children a fault stopped on purpose
         self._ended_dead: set[str] = set()  # learner slots the job's end found dead
-        self._told_to_stop: set[str] = set()  # learners sent SIGTERM once training ended
+        # Learner incarnations (name, start) sent SIGTERM once training ended.
+        self._told_to_stop: set[tuple[str, int]] = set()
         self._training_since: float | None = None
         self.tape = Tape(settings.tape, "cluster")
         self.proxy: FaultProxy | None = None
@@ -137,7 +138,13 @@ class LocalCluster:
             self.scale_to(self.scale_plan.pop(0).learners)
         for at, action, child in [x for x in self._later if x[0] <= now]:
             self._later.remove((at, action, child))
-            if action == "start":
+            if action == "start" and self.training_ended is not None:
+                # Training is over: a slot brought back now would only linger (its steps
+                # are not wanted, the budget is spent). It ends dead.
+                self._down.discard(child.name)
+                self._ended_dead.add(child.name)
+                self.tape.write("not_restarted", **self._whom(child))
+            elif action == "start":
                 self._launch(child, restart=True)
                 self._down.discard(child.name)
             elif action == "heal":
@@ -464,7 +471,10 @@ class LocalCluster:
                 and c.name not in self.slot_ended  # it left the job (--scale)
                 # Told to stop at the end: a SIGTERM that lands while Python is already
                 # shutting down ends the process by the signal. Its work is done.
-                and not (c.name in self._told_to_stop and c.process.returncode == -signal.SIGTERM)
+                and not (
+                    (c.name, c.starts) in self._told_to_stop
+                    and c.process.returncode == -signal.SIGTERM
+                )
             ]
             if failed:
                 raise RuntimeError(f"{failed[0].name} failed:\n{failed[0].tail()}")
@@ -476,9 +486,9 @@ class LocalCluster:
                 self.tape.write("training_ended", versions=state.versions)
             if all_done and time.monotonic() - quiet_since >= QUIET_BEFORE_STOP_S:
                 for c in self.learners:
-                    if c.name not in self._told_to_stop:  # once: they are lingering
+                    if (c.name, c.starts) not in self._told_to_stop:  # once: they linger
                         c.signal(signal.SIGTERM)
-                        self._told_to_stop.add(c.name)
+                        self._told_to_stop.add((c.name, c.starts))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run did not finish within --timeout-s {self.s.timeout_s}")
             time.sleep(0.5)
