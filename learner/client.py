@@ -974,6 +974,8 @@ class SynchronizerClient:
 
     def _on_welcome(self, welcome: session_pb2.Welcome, first: bool) -> None:
         self.welcome = welcome
+        if welcome.HasField("status"):
+            self.job_status = welcome.status
         self._on_owners(welcome.owners)
         if not first:
             with self._lock:

@@ -346,6 +346,14 @@ class Sessions:
             initializer=joined.initializer,
             owners=await self._owners(layout.num_fragments),
         )
+        if cfg.job_steps:
+            details.status.CopyFrom(
+                session_pb2.JobStatus(
+                    steps_done=joined.steps_done,
+                    job_steps=cfg.job_steps,
+                    finish=joined.steps_done >= cfg.job_steps,
+                )
+            )
         welcome.MergeFrom(details)
         return conn, session_pb2.SynchronizerMessage(welcome=welcome)
 

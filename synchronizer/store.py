@@ -61,6 +61,7 @@ class Hello:
     previous: str  # the incarnation this one replaces ("" if none)
     initializer: bool  # the job has no parameters yet and this learner is to send them
     counted_steps: int = 0  # the slot's steps toward the job's budget, as counted now
+    steps_done: int = 0  # the job's steps over all slots, as counted now
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ class ControlStore:
         )
         if _s(reply[0]) != "ok":
             return Hello(_s(reply[0]), "", False)
-        return Hello("ok", _s(reply[1]), bool(int(reply[2])), int(reply[3]))
+        return Hello("ok", _s(reply[1]), bool(int(reply[2])), int(reply[3]), int(reply[4]))
 
     async def heartbeat(
         self,

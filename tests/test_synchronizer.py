@@ -819,3 +819,30 @@ def test_a_new_incarnation_counts_the_updates_its_predecessor_can_no_longer_send
         # counts it only if i1 did not live to finish (it sends it again).
         (["l0/i1/1"], 2.0, set()),
     ]
+
+
+def test_a_learner_joining_once_the_budget_is_spent_learns_it_from_its_welcome(
+    spawn_synchronizer: SpawnSynchronizer,
+) -> None:
+    # A slot brought back after the end (a restarted pod) must not train a step and send
+    # it: the job's status comes with the welcome, before any heartbeat of its own.
+    sync = spawn_synchronizer(
+        "--fragments", "2", "--grace-seconds", "0", "--job-steps", "6", "--max-steps-per-s", "1000"
+    )  # fmt: skip
+    c = support.client([sync.address], "l0")
+    try:
+        support.initialize(c, 2)
+        assert c.welcome is not None
+        assert c.welcome.status.job_steps == 6
+        assert not c.welcome.status.finish
+        c.heartbeat(step=6, step_time_ema_s=0.1, tokens_per_s=10.0, loss=1.0, eval_loss=0.0)
+        wait_until(lambda: c.job_finished, what="the budget spent")
+        late = support.client([sync.address], "l1")
+        try:
+            assert late.job_finished
+            assert late.welcome is not None
+            assert late.welcome.status.steps_done >= 6
+        finally:
+            late.close()
+    finally:
+        c.close()

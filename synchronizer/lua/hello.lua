@@ -9,7 +9,7 @@
 -- KEYS: spec, learners, learner, ema, init_claim, slot_steps
 -- ARGV: spec_json, id, incarnation, ttl_ms, step, claim_ms, initialized (1/0)
 -- Returns: status ('ok' | 'spec_mismatch' | 'busy'), previous incarnation, holds the claim,
---          the slot's steps counted now
+--          the slot's steps counted now, the job's steps over all slots
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local previous = redis.call('HGET', KEYS[3], 'incarnation') or ''
@@ -33,4 +33,6 @@ if ARGV[7] == '0' then
   redis.call('SET', KEYS[5], ARGV[2], 'NX', 'PX', tonumber(ARGV[6]))
   if redis.call('GET', KEYS[5]) == ARGV[2] then claimed = 1 end
 end
-return {'ok', previous, claimed, string.format('%d', counted)}
+local total = 0
+for _, steps in ipairs(redis.call('HVALS', KEYS[6])) do total = total + tonumber(steps) end
+return {'ok', previous, claimed, string.format('%d', counted), string.format('%d', total)}

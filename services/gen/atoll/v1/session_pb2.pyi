@@ -202,6 +202,7 @@ class Welcome(_message.Message):
     SYNCHRONIZER_ID_FIELD_NUMBER: _builtins.int
     INITIALIZER_FIELD_NUMBER: _builtins.int
     OWNERS_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
     initialized: _builtins.bool
     """false: the job has no parameters yet"""
     synchronizer_id: _builtins.str
@@ -223,6 +224,12 @@ class Welcome(_message.Message):
     def owners(self) -> _containers.RepeatedCompositeFieldContainer[Global___FragmentOwner]:
         """who ingests each fragment's updates now"""
 
+    @_builtins.property
+    def status(self) -> Global___JobStatus:
+        """When the job has a budget: where it stood at this join. A learner that joins once it is
+        spent (`finish`) trains and sends nothing more.
+        """
+
     def __init__(
         self,
         *,
@@ -233,10 +240,11 @@ class Welcome(_message.Message):
         synchronizer_id: _builtins.str = ...,
         initializer: _builtins.bool = ...,
         owners: _abc.Iterable[Global___FragmentOwner] | None = ...,
+        status: Global___JobStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "status", b"status"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "initialized", b"initialized", "initializer", b"initializer", "owners", b"owners", "params", b"params", "synchronizer_id", b"synchronizer_id", "versions", b"versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "initialized", b"initialized", "initializer", b"initializer", "owners", b"owners", "params", b"params", "status", b"status", "synchronizer_id", b"synchronizer_id", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
