@@ -14,9 +14,9 @@
 
 Beside them, how fast owners came back (`recommits`): after each synchronizer killed, how
 long each fragment it owned went without an owner, and how long the updates of it that the
-kill caught (in flight, or sent while it had no owner) waited for their commit; after each
-Redis restart, how long the updates in flight waited. Each within an owner lease and
-RECOMMIT_SLACK_S.
+kill caught (in flight, or sent while it had no owner) and that were committed waited for
+it; after each Redis restart, how long the updates in flight waited. Each within an owner
+lease and RECOMMIT_SLACK_S, and each fragment committing again.
 """
 
 from __future__ import annotations
@@ -133,9 +133,12 @@ def recommits(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     Redis restarted: every fragment), how long the fault kept it from committing what it
     was sent (`seconds`): until a replica owned it again (`owned_s`; a killed owner's
     only), and for each of its updates the fault caught (in flight at it, or sent before
-    the fragment was owned again: `updates`), from the fault or the update's sending,
-    whichever came later, to its commit. None: never, while the learners trained. What
-    training's end came too soon after to be held to the bound is left out.
+    the fragment was owned again: `updates`) that was committed, from the fault or the
+    update's sending, whichever came later, to its commit. A caught update never committed
+    was refused (stale by the time it could be merged) or dropped with its sender: it is
+    counted (`uncommitted`), not waited for. None: the fragment was never owned, or never
+    committed, again while the learners trained. What training's end came too soon after
+    to be held to the bound is left out.
 
     A fragment commits only what its learners send, each in its turn: measured from the
     fault to the fragment's next commit, a fault would count the learners' cadence too."""
@@ -144,13 +147,15 @@ def recommits(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     ended = next((float(e["t"]) for e in ordered if e["kind"] == "training_ended"), math.inf)
     committed: dict[str, float] = {}
     sent: dict[str, tuple[float, int]] = {}  # uid -> (first sent, fragment)
+    merged: list[tuple[float, int]] = []  # (when, fragment)
     for e in ordered:
         if e["kind"] == "merged":
+            merged.append((float(e.get("at", e["t"])), int(e["fragment"])))
             for uid in e["uids"]:
                 committed.setdefault(str(uid), float(e.get("at", e["t"])))
         elif e["kind"] == "sent":
             sent.setdefault(str(e["uid"]), (float(e["t"]), int(e["fragment"])))
-    fragments = sorted({int(e["fragment"]) for e in ordered if e["kind"] == "merged"})
+    fragments = sorted({p for _, p in merged})
     owned = [(float(e["t"]), int(e["fragment"])) for e in ordered if e["kind"] == "owned"]
 
     def late_or_moot(t: float) -> bool:
@@ -175,24 +180,18 @@ def recommits(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             continue
         for p, back in sorted(hit.items()):
-            if back is None:
+            recommitted = any(q == p and m > t for m, q in merged)
+            if back is None or not recommitted:
                 if late_or_moot(t):
-                    never = {"owned_s": None, "updates": 0, "seconds": None}
+                    never = {"owned_s": None, "updates": 0, "uncommitted": 0, "seconds": None}
                     out.append({"fault": fault, "t": t, "fragment": p, **never})
                 continue
-            waits = [back - t]
             caught = [
                 (when, committed.get(uid))
                 for uid, (when, q) in sent.items()
                 if q == p and when < max(back, t) and committed.get(uid, math.inf) > t
             ]
-            for when, done in caught:
-                start = max(when, t)
-                if done is not None:
-                    waits.append(done - start)
-                elif late_or_moot(start):
-                    waits.append(math.inf)
-            worst = max(waits)
+            waits = [back - t] + [done - max(when, t) for when, done in caught if done is not None]
             out.append(
                 {
                     "fault": fault,
@@ -200,7 +199,8 @@ def recommits(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     "fragment": p,
                     "owned_s": round(back - t, 3) if fault == "synchronizer-kill" else None,
                     "updates": len(caught),
-                    "seconds": None if math.isinf(worst) else round(worst, 3),
+                    "uncommitted": sum(1 for _, done in caught if done is None),
+                    "seconds": round(max(waits), 3),
                 }
             )
     return out

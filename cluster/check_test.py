@@ -121,6 +121,8 @@ def _owners_run(
         "u3": (12.0, 2, 12.5),  # fragment 2's owner lived
         "u4": (39.5, 2, 44.0),  # in flight at Redis's restart: 4 s after it
         "u5": (41.0, 0, 41.5),  # sent after the restart
+        "u6": (45.0, 1, 46.0),  # fragment 1 commits again after the restart
+        "u7": (13.0, 0, None),  # refused once merged could be (stale): not waited for
     }
     for version, (uid, (sent, p, done)) in enumerate(updates.items(), 1):
         done = (commits or {}).get(uid, done)
@@ -133,12 +135,14 @@ def _owners_run(
 
 def test_a_fault_is_timed_by_the_ownership_and_the_updates_it_held_up() -> None:
     found = {(r["fault"], r["fragment"]): r for r in recommits(_owners_run())}
-    assert {k: (r["owned_s"], r["updates"], r["seconds"]) for k, r in found.items()} == {
-        ("synchronizer-kill", 0): (8.5, 1, 9.0),
-        ("synchronizer-kill", 1): (8.5, 1, 9.0),
-        ("redis-restart", 0): (None, 0, 0.0),
-        ("redis-restart", 1): (None, 0, 0.0),
-        ("redis-restart", 2): (None, 1, 4.0),
+    assert {
+        k: (r["owned_s"], r["updates"], r["uncommitted"], r["seconds"]) for k, r in found.items()
+    } == {
+        ("synchronizer-kill", 0): (8.5, 2, 1, 9.0),
+        ("synchronizer-kill", 1): (8.5, 1, 0, 9.0),
+        ("redis-restart", 0): (None, 1, 1, 0.0),
+        ("redis-restart", 1): (None, 0, 0, 0.0),
+        ("redis-restart", 2): (None, 1, 0, 4.0),
     }
     summary = recommit_summary(_owners_run())
     assert summary["late"] == 0
@@ -146,7 +150,7 @@ def test_a_fault_is_timed_by_the_ownership_and_the_updates_it_held_up() -> None:
     assert summary["bound_s"] == OWNER_TTL_S + RECOMMIT_SLACK_S
 
 
-def test_a_fragment_never_owned_again_or_an_update_held_up_too_long_is_late() -> None:
+def test_a_fragment_never_owned_or_committed_again_or_an_update_held_up_too_long_is_late() -> None:
     # Fragment 1 is never owned again (its update never commits); u1 commits 20 s late.
     events = _owners_run(commits={"u1": 30.0, "u2": None}, drop=(5,))
     late = {
@@ -159,3 +163,9 @@ def test_a_fragment_never_owned_again_or_an_update_held_up_too_long_is_late() ->
         {"t": 58.0, "who": "cluster", "kind": "killed", "synchronizer": "s1"},
     ]
     assert not [r for r in recommits(near_end) if r["t"] == 58.0]
+
+
+def test_a_fragment_that_never_commits_after_a_redis_restart_is_late() -> None:
+    events = _owners_run(commits={"u6": None})
+    late = recommit_summary(events)["late_detail"]
+    assert [(r["fault"], r["fragment"], r["seconds"]) for r in late] == [("redis-restart", 1, None)]
