@@ -97,7 +97,7 @@ def test_rounds_die_by_their_owners_epochs_not_by_when_lines_were_written() -> N
 
 
 def _owners_run(
-    commits: dict[str, float] | None = None, drop: tuple[int, ...] = ()
+    commits: dict[str, float | None] | None = None, drop: tuple[int, ...] = ()
 ) -> list[dict[str, Any]]:
     """Two replicas: s0 owns fragments 0 and 1, s1 fragment 2. s0 is killed at 10 s and s1
     owns its fragments at 18.5 s; Redis restarts at 40 s; training ends at 60 s. Update
