@@ -40,6 +40,7 @@ from synchronizer.ownership import OWNER_TTL_S
 # A killed owner's fragments (every fragment, after a Redis restart) commit again within an
 # owner lease and this much: the round's updates are sent again and merged.
 RECOMMIT_SLACK_S = 5.0
+RECOMMIT_BOUND_S = OWNER_TTL_S + RECOMMIT_SLACK_S
 
 
 def check_tape(events: Sequence[dict[str, Any]]) -> Invariants:
@@ -143,7 +144,6 @@ def recommits(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     A fragment commits only what its learners send, each in its turn: measured from the
     fault to the fragment's next commit, a fault would count the learners' cadence too."""
     ordered = sorted(events, key=lambda e: float(e["t"]))
-    bound = OWNER_TTL_S + RECOMMIT_SLACK_S
     ended = next((float(e["t"]) for e in ordered if e["kind"] == "training_ended"), math.inf)
     committed: dict[str, float] = {}
     sent: dict[str, tuple[float, int]] = {}  # uid -> (first sent, fragment)
@@ -158,8 +158,8 @@ def recommits(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     fragments = sorted({p for _, p in merged})
     owned = [(float(e["t"]), int(e["fragment"])) for e in ordered if e["kind"] == "owned"]
 
-    def late_or_moot(t: float) -> bool:
-        return ended >= t + bound  # else training ended first: nothing was left to do
+    def held_to_bound(t: float) -> bool:
+        return ended >= t + RECOMMIT_BOUND_S  # else training ended first: nothing was left
 
     owner: dict[int, str] = {}
     out: list[dict[str, Any]] = []
@@ -182,7 +182,7 @@ def recommits(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         for p, back in sorted(hit.items()):
             recommitted = any(q == p and m > t for m, q in merged)
             if back is None or not recommitted:
-                if late_or_moot(t):
+                if held_to_bound(t):
                     never = {"owned_s": None, "updates": 0, "uncommitted": 0, "seconds": None}
                     out.append({"fault": fault, "t": t, "fragment": p, **never})
                 continue
@@ -209,13 +209,12 @@ def recommits(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def recommit_summary(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """`recommits`, summed up: how many, the slowest, and how many missed the bound."""
     found = recommits(events)
-    bound = OWNER_TTL_S + RECOMMIT_SLACK_S
     seconds = [r["seconds"] for r in found if r["seconds"] is not None]
-    late = [r for r in found if r["seconds"] is None or r["seconds"] > bound]
+    late = [r for r in found if r["seconds"] is None or r["seconds"] > RECOMMIT_BOUND_S]
     return {
         "fragments": len(found),
         "slowest_s": max(seconds) if seconds else None,
-        "bound_s": bound,
+        "bound_s": RECOMMIT_BOUND_S,
         "late": len(late),
         "late_detail": late[:10],
     }

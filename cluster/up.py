@@ -137,13 +137,13 @@ class LocalCluster:
         while self.scale_plan and self.scale_plan[0].at_s <= now:
             self.scale_to(self.scale_plan.pop(0).learners)
         for at, action, child in [x for x in self._later if x[0] <= now]:
+            if (at, action, child) not in self._later:
+                continue  # gone with its slot (`_end_dead`)
             self._later.remove((at, action, child))
             if action == "start" and self.training_ended is not None:
                 # Training is over: a slot brought back now would only linger (its steps
-                # are not wanted, the budget is spent). It ends dead.
-                self._down.discard(child.name)
-                self._ended_dead.add(child.name)
-                self.tape.write("not_restarted", **self._whom(child))
+                # are not wanted, the budget is spent).
+                self._end_dead(child)
             elif action == "start":
                 self._launch(child, restart=True)
                 self._down.discard(child.name)
@@ -507,11 +507,16 @@ class LocalCluster:
         if done + len(self._ended_dead) + len(dead) < len(slots):
             return False
         for c in dead:
-            self._down.discard(c.name)
-            self._later = [x for x in self._later if x[2] is not c]
-            self._ended_dead.add(c.name)
-            self.tape.write("not_restarted", **self._whom(c))
+            self._end_dead(c)
         return True
+
+    def _end_dead(self, child: Child) -> None:
+        """A learner slot down now is not brought back: it ends dead (nothing of it is
+        pending any more)."""
+        self._down.discard(child.name)
+        self._later = [x for x in self._later if x[2] is not child]
+        self._ended_dead.add(child.name)
+        self.tape.write("not_restarted", **self._whom(child))
 
     # --- stop -----------------------------------------------------------------------------
     def stop(self) -> None:

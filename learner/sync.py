@@ -607,14 +607,12 @@ class SyncEngine:
         self._flat = self.named.flatten(params)
         try:
             fragments = self.outer.fragments
-            for p, f in enumerate(fragments):
-                if f.steps and not f.in_flight and not self.over_at_join:
-                    self._send(p)
-            later = [
-                p
-                for p, f in enumerate(fragments)
-                if f.in_flight and f.steps and not self.over_at_join
-            ]
+            later: list[int] = []
+            if not self.over_at_join:  # a latecomer to a spent job sends nothing
+                for p, f in enumerate(fragments):
+                    if f.steps and not f.in_flight:
+                        self._send(p)
+                later = [p for p, f in enumerate(fragments) if f.in_flight and f.steps]
             while later:
                 wait(self._encoding)
                 self.heartbeat(still_to_send=later)

@@ -82,7 +82,7 @@ def target_host(target: str) -> str:
         target = rest.lstrip("/")
     elif sep and scheme in ("ipv4", "ipv6"):
         target = rest.split(",")[0]
-    if target.startswith("["):
-        return target[1 : target.find("]")] if "]" in target else target
-    host, sep, port = target.rpartition(":")
-    return host if sep and port.isdigit() else target
+    try:
+        return split_hostport(target)[0]
+    except ValueError:  # no port
+        return target.strip("[]")

@@ -346,14 +346,9 @@ class Sessions:
             initializer=joined.initializer,
             owners=await self._owners(layout.num_fragments),
         )
-        if cfg.job_steps:
-            details.status.CopyFrom(
-                session_pb2.JobStatus(
-                    steps_done=joined.steps_done,
-                    job_steps=cfg.job_steps,
-                    finish=joined.steps_done >= cfg.job_steps,
-                )
-            )
+        status = self._job_status(joined.steps_done)
+        if status is not None:
+            details.status.CopyFrom(status)
         welcome.MergeFrom(details)
         return conn, session_pb2.SynchronizerMessage(welcome=welcome)
 
@@ -437,13 +432,20 @@ class Sessions:
                 )
             )
             return False
-        if self.settings.job_steps:
-            budget = self.settings.job_steps
-            status = session_pb2.JobStatus(
-                steps_done=steps_done, job_steps=budget, finish=steps_done >= budget
-            )
+        status = self._job_status(steps_done)
+        if status is not None:
             conn.send(session_pb2.SynchronizerMessage(status=status))
         return True
+
+    def _job_status(self, steps_done: int) -> session_pb2.JobStatus | None:
+        """Where the job's budget stands at `steps_done` steps over all slots (None: the job
+        has no budget), as a welcome and each heartbeat's reply tell it."""
+        budget = self.settings.job_steps
+        if not budget:
+            return None
+        return session_pb2.JobStatus(
+            steps_done=steps_done, job_steps=budget, finish=steps_done >= budget
+        )
 
     # --- the owner map ----------------------------------------------------------------------
     async def _owners(self, fragments: int) -> list[session_pb2.FragmentOwner]:
