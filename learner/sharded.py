@@ -154,7 +154,6 @@ class ShardedSyncEngine(SyncEngine):
             owners = session_pb2.OwnerMap.FromString(bytes.fromhex(self.group.read("owners")))
             self.client.set_owners(owners.owners)
         cfg = welcome.config
-        self.over_at_join = welcome.HasField("status") and welcome.status.finish  # as SyncEngine
         self.mode, self.alpha = cfg.mode, cfg.merge_alpha
         self.fragments, self.inner_steps = cfg.fragments, cfg.inner_steps
         self.codec = codecs.by_wire(cfg.codec)

@@ -114,7 +114,6 @@ class SyncEngine:
         self.tape = tape if tape is not None else Tape(settings.tape, settings.id)
         self.stop_requested = stop_requested or threading.Event()
         self.badput: dict[str, float] = dict.fromkeys(tm.BADPUT_SOURCES, 0.0)
-        self.over_at_join = False  # the job was spent when this incarnation joined (`join`)
         # What the heartbeats report: the loop tells (`after_step`'s keywords, `done`).
         self.step = 0
         self.tokens = 0
@@ -169,9 +168,6 @@ class SyncEngine:
         only if the job still needs or holds them)."""
         welcome = self.client.connect(self.stop_requested)
         cfg = welcome.config
-        # The job's budget was spent before this incarnation joined (a slot brought back
-        # after the end): it trains no step, and sends nothing it restored either.
-        self.over_at_join = welcome.HasField("status") and welcome.status.finish
         self.mode, self.alpha = cfg.mode, cfg.merge_alpha
         self.fragments, self.inner_steps = cfg.fragments, cfg.inner_steps
         self.codec = codecs.by_wire(cfg.codec)
@@ -607,12 +603,10 @@ class SyncEngine:
         self._flat = self.named.flatten(params)
         try:
             fragments = self.outer.fragments
-            later: list[int] = []
-            if not self.over_at_join:  # a latecomer to a spent job sends nothing
-                for p, f in enumerate(fragments):
-                    if f.steps and not f.in_flight:
-                        self._send(p)
-                later = [p for p, f in enumerate(fragments) if f.in_flight and f.steps]
+            for p, f in enumerate(fragments):
+                if f.steps and not f.in_flight:
+                    self._send(p)
+            later = [p for p, f in enumerate(fragments) if f.in_flight and f.steps]
             while later:
                 wait(self._encoding)
                 self.heartbeat(still_to_send=later)
