@@ -198,6 +198,7 @@ def build_report(
             "dropped_with_sender": invariants.dropped_with_sender,
             "problems": invariants.problems,
         },
+        "data": data_report(summaries),
         "commits": [
             {k: e.get(k) for k in ("fragment", "version", "learners", "scale", "committed_at")}
             for log in commit_logs
@@ -210,6 +211,27 @@ def build_report(
             }
             for s in summaries
         ],
+    }
+
+
+def data_report(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What the run trained and was scored on, from its learners' summaries: the windows of
+    every learner's batches together (`fingerprint`: equal for runs that trained on the same
+    windows, however many learners split them), the evaluation windows' fingerprint, and how
+    the text was read (`capped`: some learner's cap cut its text short)."""
+    from learner.data import combine_digests
+
+    facts = [s["data"] for s in summaries if s.get("data")]
+    if not facts:
+        return {}
+    evaluated = {combine_digests([f["evaluated"]])["fingerprint"] for f in facts if f["evaluated"]}
+    return {
+        "split": facts[0].get("split"),
+        "trained": combine_digests([f["trained"] for f in facts]),
+        "evaluated": evaluated.pop() if len(evaluated) == 1 else sorted(evaluated),
+        "train_bytes": [f.get("train_bytes") for f in facts],
+        "cap_bytes": facts[0].get("cap_bytes"),
+        "capped": any(f.get("capped") for f in facts),
     }
 
 

@@ -118,3 +118,56 @@ def test_a_site_packages_folder_named_on_purpose_is_read(tmp_path: Path) -> None
     (lib / "site-packages" / "pkg" / "m.py").write_text("y = 2\n")
     assert [f.name for f in list_files([lib])] == ["os.py"]
     assert [f.name for f in list_files([lib / "site-packages"])] == ["m.py"]
+
+
+def test_m_learners_of_one_stream_train_on_data_parallels_windows(corpus_dir: Path) -> None:
+    from learner.data import combine_digests
+
+    whole = load_corpus([corpus_dir], 0, 1, split="windows").train
+    dp = Batches(whole, 6, 16, seed=5)
+    parts = []
+    for m in range(3):
+        # Each learner reads all the text: its corpus is data-parallel's.
+        mine = load_corpus([corpus_dir], m, 3, split="windows").train
+        assert mine.tobytes() == whole.tobytes()
+        parts.append(Batches(mine, 2, 16, seed=5, part=m, parts=3))
+    for _ in range(4):
+        np.testing.assert_array_equal(dp.next(), np.concatenate([b.next() for b in parts]))
+    together = combine_digests([b.digest() for b in parts])
+    assert together == combine_digests([dp.digest()])
+    assert together["windows"] == 24
+    # Other windows, another fingerprint: one step more, or the files split among learners.
+    parts[0].next()
+    assert combine_digests([b.digest() for b in parts]) != together
+    by_files = [Batches(load_corpus([corpus_dir], m, 3).train, 2, 16, seed=5) for m in range(3)]
+    for b in by_files:
+        for _ in range(4):
+            b.next()
+    assert combine_digests([b.digest() for b in by_files])["windows"] == 24
+    assert combine_digests([b.digest() for b in by_files]) != together
+
+
+def test_a_cap_is_stated_and_files_without_a_suffix_are_text(tmp_path: Path) -> None:
+    from learner.data import list_files
+
+    (tmp_path / "LICENSE").write_text("Permission is hereby granted, free of charge\n" * 40)
+    (tmp_path / "COPYING").write_text("caf\u00e9 " * 300)
+    (tmp_path / "blob").write_bytes(b"\x00\x01\x02" * 100)  # binary: not text
+    (tmp_path / "image.png").write_bytes(b"not read by suffix")
+    assert [f.name for f in list_files([tmp_path], any_text=True)] == ["COPYING", "LICENSE"]
+    assert list_files([tmp_path]) == []  # training text: by suffix alone
+    (tmp_path / "a.txt").write_text("text " * 300)
+    corpus = load_corpus([tmp_path], 0, 1, eval_paths=[tmp_path], cap_bytes=1024)
+    assert b"Permission is hereby granted" in corpus.eval.tobytes()
+    assert corpus.facts["capped"] is False  # one training file: the cap reads it whole
+    assert corpus.facts["train_files"] == 1
+    for i in range(5):
+        (tmp_path / f"more{i}.txt").write_text("text " * 400)
+    capped = load_corpus([tmp_path], 0, 1, eval_paths=[tmp_path / "LICENSE"], cap_bytes=1024)
+    assert capped.facts["capped"] is True
+    assert capped.facts["train_files_read"] < capped.facts["train_files"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "data.bin").write_bytes(b"\x00")
+    with pytest.raises(DataError, match="no suffix"):
+        load_corpus([empty], 0, 1)

@@ -23,7 +23,7 @@ import optax
 import structlog
 
 from learner import mesh as meshes
-from learner.data import mean_loss
+from learner.data import mean_loss, windows_digest
 from learner.settings import LearnerSettings
 from learner.workload import Workload
 from services import telemetry as tm
@@ -146,6 +146,7 @@ class InnerLoop:
         self._last_checkpoint = -math.inf  # when it was taken (monotonic)
         self._position_saved = time.monotonic()
         self._placed = False  # the loop knows its place (step, data position): saving it is safe
+        self._drawn_ahead = 0  # batches drawn for steps not yet run (the loop draws one ahead)
         self._progress_written = 0.0
         self.tx = workload.optimizer if workload.optimizer is not None else adamw(settings)
         mesh = meshes.learner_mesh()
@@ -240,6 +241,7 @@ class InnerLoop:
         # step or a sync's host work runs. A step's loss and time are recorded once it is
         # done, STEPS_AHEAD steps late.
         batch = self._next_batch()
+        self._drawn_ahead = 1  # one batch is always drawn before the step that trains it
         # A learner standing in for slower hardware (--speed) waits after each step; steps
         # queued ahead would run through that wait and make it faster than it stands for.
         ahead = STEPS_AHEAD if self.settings.speed >= 1.0 else 1
@@ -273,6 +275,10 @@ class InnerLoop:
             if turn and self.step % turn == self.settings.eval_offset % turn:
                 self._evaluate(params)
             self._maybe_checkpoint(params, opt_state)
+        # The batch drawn ahead was never trained on: the next incarnation starts with it,
+        # and the summary's digest of what was trained leaves it out.
+        self.workload.batches.position -= 1
+        self._drawn_ahead = 0
         while clock.in_flight:
             seconds, done_at = self._step_done(clock, done_at)
             if self.sync is not None:
@@ -348,11 +354,7 @@ class InnerLoop:
         spacing = max(s.checkpoint_seconds, self.sync.checkpoint_write_s / CHECKPOINT_SHARE)
         if now - self._last_checkpoint >= spacing:
             self._last_checkpoint = now
-            meta = {
-                "step": self.step,
-                "tokens": self.tokens,
-                "position": self.workload.batches.position,
-            }
+            meta = {"step": self.step, "tokens": self.tokens, "position": self.trained_position}
             self.sync.checkpoint(params, opt_state, meta)
 
     def _evaluate(self, params: Any) -> None:
@@ -434,7 +436,24 @@ class InnerLoop:
             "bytes": synced.get("bytes", {"up": 0, "down": 0}),
             "reconnects": synced.get("reconnects", 0),
             "data_position": self.workload.batches.position,
+            "data": self.data_summary(),
             **({"shards": synced["shards"]} if "shards" in synced else {}),
+        }
+
+    @property
+    def trained_position(self) -> int:
+        """Batches drawn and trained on (the loop draws one ahead of its step)."""
+        return self.workload.batches.position - self._drawn_ahead
+
+    def data_summary(self) -> dict[str, Any]:
+        """What this learner trained and was scored on: how its text was read, and digests of
+        the windows of its batches so far and of its evaluation windows
+        (`learner.data.combine_digests` adds learners' digests into a run's fingerprint)."""
+        rows = [row for batch in self.workload.eval_batches for row in batch]
+        return {
+            **self.workload.data_facts,
+            "trained": self.workload.batches.digest(),
+            "evaluated": windows_digest(np.asarray(rows)) if rows else None,
         }
 
     # --- where a learner slot stands: survives restarts ------------------------------------
@@ -469,10 +488,6 @@ class InnerLoop:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        state = {
-            "position": self.workload.batches.position,
-            "step": self.step,
-            "tokens": self.tokens,
-        }
+        state = {"position": self.trained_position, "step": self.step, "tokens": self.tokens}
         tmp.write_text(json.dumps(state))
         tmp.replace(path)

@@ -44,6 +44,20 @@ class ModelConfig(BaseModel):
         description="text files or folders to evaluate on (never trained on); empty: every "
         "50th file of --data is held out",
     )
+    data_split: Literal["files", "windows"] = Field(
+        "files",
+        description="how learners share the training text. files: each reads its own files "
+        "(every --num-shards-th; what pods of a pool reading a large corpus do); windows: "
+        "each reads all of it and trains on its part of one global batch of one token stream "
+        "(M learners' step k holds the windows data-parallel's step k does: what a fair "
+        "quality comparison needs)",
+    )
+    max_corpus_bytes: int = Field(
+        256 << 20,
+        ge=1 << 10,
+        description="read at most about this many bytes of training text per learner, in file "
+        "order (the learner's summary says whether it cut any)",
+    )
     eval_fraction: float = Field(
         0.02, gt=0.0, lt=0.5, description="share of the text held out for evaluation"
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,8 @@ class Workload:
     eval_batches: list[np.ndarray]
     tokens_per_batch: int
     optimizer: optax.GradientTransformation | None = None
+    # How the training text was read (learner.data.Corpus.facts); {} for a workload's own.
+    data_facts: dict[str, Any] = field(default_factory=dict)
 
     def initial(self) -> Any:
         """The initial parameters (made once, on first use)."""
@@ -102,13 +104,24 @@ def builtin(settings: LearnerSettings) -> Workload:
     )
     shard = data_shard(settings)
     corpus = cached_corpus(
-        settings.data, shard, settings.num_shards, settings.state_dir, settings.eval_data
+        settings.data,
+        shard,
+        settings.num_shards,
+        settings.state_dir,
+        settings.eval_data,
+        settings.data_split,
+        settings.max_corpus_bytes,
     )
+    # files: each shard in an order of its own; windows: one stream, this learner's part of
+    # each global batch.
+    whole = settings.data_split == "windows"
     batches = Batches(
         corpus.train,
         settings.batch_size,
         settings.context,
-        seed=settings.seed * 100_003 + shard,
+        seed=settings.seed * 100_003 + (0 if whole else shard),
+        part=shard if whole else 0,
+        parts=settings.num_shards if whole else 1,
     )
     return Workload(
         params=partial(init_params, cfg, settings.seed),
@@ -121,6 +134,7 @@ def builtin(settings: LearnerSettings) -> Workload:
             settings.eval_windows or settings.eval_batches * settings.batch_size,
         ),
         tokens_per_batch=settings.batch_size * settings.context,
+        data_facts=corpus.facts,
     )
 
 
