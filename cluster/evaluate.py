@@ -30,6 +30,12 @@ class EvalSettings(AtollSettings):
         description="score only the files a learner holds out of --data (every 50th): a "
         "run's evaluation text when it was given no --eval-data",
     )
+    ood_data: list[Path] = Field(
+        default_factory=list,
+        description="a second text to score too, all of its files (prose, another project's "
+        "sources: text the model was not trained near), with the same window count; its loss "
+        "is `ood_loss` in the result",
+    )
     json_path: Path | None = Field(None, alias="json", description="write the result JSON here")
     context: int = Field(0, ge=0, description="window length in bytes; 0: the model's context")
     batch_size: int = Field(16, ge=1, description="windows per forward pass (no effect on loss)")
@@ -62,7 +68,15 @@ def evaluate(settings: EvalSettings) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    from learner.data import default_paths, eval_batches, held_out, list_files, mean_loss, read_text
+    from learner.data import (
+        default_paths,
+        eval_batches,
+        held_out,
+        list_files,
+        mean_loss,
+        no_text,
+        read_text,
+    )
     from learner.model import TransformerConfig, make_loss, resolve_dtype
 
     leaves, metadata = load(settings.model_file)
@@ -83,16 +97,32 @@ def evaluate(settings: EvalSettings) -> dict[str, Any]:
         int(config["context"]),
         compute_dtype=dtype,
     )
-    files = list_files(settings.data or default_paths())
+    # Held out: the training listing's every 50th file, as the learners chose them; else
+    # every text file, with or without a suffix.
+    files = list_files(settings.data or default_paths(), any_text=not settings.held_out)
     if settings.held_out:
         files = held_out(files)
     if not files:
-        raise ValueError(f"no text files under {[str(p) for p in settings.data]}")
+        raise no_text(settings.data, "--data")
     batches = eval_batches(read_text(files), settings.batch_size, context, settings.windows)
     params = {k: jnp.asarray(v) for k, v in leaves.items()}
     loss = jax.jit(make_loss(cfg))
     windows = sum(len(b) for b in batches)
+    ood: dict[str, Any] = {}
+    if settings.ood_data:
+        ood_files = list_files(settings.ood_data, any_text=True)
+        if not ood_files:
+            raise no_text(settings.ood_data, "--ood-data")
+        text = read_text(ood_files)
+        ood_batches = eval_batches(text, settings.batch_size, context, settings.windows)
+        ood = {
+            "ood_loss": mean_loss(lambda b: float(loss(params, jnp.asarray(b))), ood_batches),
+            "ood_files": len(ood_files),
+            "ood_windows": sum(len(b) for b in ood_batches),
+            "ood_data": [str(p) for p in settings.ood_data],
+        }
     return {
+        **ood,
         "eval_loss": mean_loss(lambda b: float(loss(params, jnp.asarray(b))), batches),
         "tokens": windows * context,
         "windows": windows,
