@@ -1,4 +1,4 @@
-"""`atoll bench quality`: one model, the same tokens, three ways, in one invocation.
+"""`atoll bench quality`: one model, the same text, several ways, at least two seeds each.
 
 - dp: data-parallel training of M learners, run as the mathematically equivalent single
   learner with M times the batch (one outer step of lr 1 without momentum is the identity),
@@ -11,9 +11,17 @@
   momentum (each merge is then the identity), against the same learner alone (one sync at
   its end): their training losses must agree step by step, to float noise.
 
-Every run trains on the same text for the same tokens and is scored on the same evaluation
-windows. The result is written after each run, so a long bench split over several
-invocations (`--runs`, `--baseline`) or cut short keeps what it measured.
+Like with like, enforced: every run reads one token stream (`--data-split windows`), so M
+learners' batches at step k together hold exactly the windows of data-parallel's batch k.
+Each run's report carries a fingerprint of the windows it trained on and of its evaluation
+windows; the bench fails when two runs of one seed trained on different windows, or any two
+runs were scored on different ones. Every run's final global model is exported and scored
+by `atoll eval`, on the held-out files and on `--ood-data` (text nobody chose) when given.
+Each row runs once per seed; the result gives each row's mean and spread, and a gap is
+called beyond noise only when it is larger than both rows' spreads.
+
+The result is written after each run, so a long bench split over several invocations
+(`--runs`, `--baseline`) or cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import math
 import sysconfig
 import tempfile
 from pathlib import Path
+from statistics import mean
 from typing import TYPE_CHECKING, Any
 
 from bench.runs import (
@@ -38,6 +47,10 @@ from services.bandwidth import dp_equivalent_bytes
 
 if TYPE_CHECKING:
     from bench.settings import QualityBench
+
+
+class UnequalText(RuntimeError):
+    """Runs compared by the bench trained or were scored on different windows."""
 
 
 def steps_of(settings: QualityBench) -> int:
@@ -57,30 +70,42 @@ def data_paths(settings: QualityBench) -> list[Path]:
     return sorted({Path(paths["stdlib"]), Path(paths["purelib"])})
 
 
-def common_flags(settings: QualityBench) -> list[str]:
-    """What every run shares: model, data, evaluation windows, seed, inner optimizer."""
-    windows = settings.eval_windows or settings.eval_batches * settings.batch_size
+def eval_windows_of(settings: QualityBench) -> int:
+    return settings.eval_windows or settings.eval_batches * settings.batch_size
+
+
+def common_flags(settings: QualityBench, seed: int) -> list[str]:
+    """What every run of a seed shares: model, one token stream of the same text, the
+    evaluation windows, the seed, the inner optimizer's schedule and weight decay."""
     out = [
         *model_flags(settings),
         "--dtype",
         settings.dtype,
         "--eval-windows",
-        str(windows),
+        str(eval_windows_of(settings)),
         "--eval-every",
         "0",
         "--seed",
-        str(settings.seed),
+        str(seed),
+        "--data-split",
+        "windows",
+        "--max-corpus-bytes",
+        str(settings.max_corpus_bytes),
+        "--weight-decay",
+        str(settings.weight_decay),
     ]
     data = data_paths(settings)
     if data:
         out += ["--data", json.dumps([str(p) for p in data])]
     if settings.eval_data:
         out += ["--eval-data", json.dumps([str(p) for p in settings.eval_data])]
-    if settings.lr is not None:
-        out += ["--lr", str(settings.lr)]
     if settings.warmup_steps is not None:
         out += ["--warmup-steps", str(settings.warmup_steps)]
     return out
+
+
+def lr_flags(lr: float | None) -> list[str]:
+    return [] if lr is None else ["--lr", str(lr)]
 
 
 def outer_flags(settings: QualityBench) -> list[str]:
@@ -93,19 +118,20 @@ def outer_flags(settings: QualityBench) -> list[str]:
 
 
 def eval_command(settings: QualityBench, model_file: Path) -> list[str]:
-    """The `atoll eval` arguments that score `model_file` as the runs were scored."""
-    data = data_paths(settings)
+    """The `atoll eval` arguments that score `model_file` as the runs were scored, and on
+    --ood-data with as many windows."""
+    paths = settings.eval_data or data_paths(settings)
     held_out = not settings.eval_data
-    paths = settings.eval_data or data
-    windows = settings.eval_windows or settings.eval_batches * settings.batch_size
+    ood = json.dumps([str(p) for p in settings.ood_data])
     return [
         "eval",
         "--model-file",
         str(model_file),
         *(["--data", json.dumps([str(p) for p in paths])] if paths else []),
         *(["--held-out"] if held_out else []),
+        *(["--ood-data", ood] if settings.ood_data else []),
         "--windows",
-        str(windows),
+        str(eval_windows_of(settings)),
         "--batch-size",
         str(settings.batch_size),
         "--dtype",
@@ -132,9 +158,9 @@ def learner_flags(settings: QualityBench, m: int, steps: int) -> list[str]:
 
 
 def planned(settings: QualityBench) -> list[tuple[str, list[str]]]:
-    """(name, flags) of each run this invocation makes, besides dp."""
+    """(row, flags) of each kind of run this invocation makes, besides dp."""
     learners = learner_flags(settings, settings.learners, steps_of(settings))
-    learners += outer_flags(settings)
+    learners += [*outer_flags(settings), *lr_flags(settings.lr)]
     out: list[tuple[str, list[str]]] = []
     for h in settings.inner_steps:
         at_h = [*learners, "--inner-steps", str(h)]
@@ -151,9 +177,17 @@ def planned(settings: QualityBench) -> list[tuple[str, list[str]]]:
     return out
 
 
+def run_name(row: str, seed: int) -> str:
+    return f"{row}/seed{seed}"
+
+
+def row_of(name: str) -> str:
+    return name.rsplit("/seed", 1)[0]
+
+
 def summarize(report: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {
-        "eval_loss": report["eval_loss"],
+        "eval_loss_run": report["eval_loss"],
         "bandwidth_reduction": report["bandwidth_reduction"],
         "tokens": report["tokens_total"],
         "bytes": report["bytes"]["up"] + report["bytes"]["down"],
@@ -161,39 +195,110 @@ def summarize(report: dict[str, Any], **extra: Any) -> dict[str, Any]:
         "wall_seconds": report["wall_seconds"],
         "goodput": report["goodput"],
         "versions_committed": report["versions_committed"],
+        "data": report.get("data", {}),
         **extra,
     }
 
 
-def gaps(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Relative eval-loss gaps: every run against dp, every decoupled run against the sync
-    run of its H."""
+def spread_of(values: list[float]) -> dict[str, Any]:
+    return {
+        "mean": round(mean(values), 6),
+        "min": round(min(values), 6),
+        "max": round(max(values), 6),
+        "spread": round(max(values) - min(values), 6),
+        "n": len(values),
+    }
 
-    def gap(a: str, b: str) -> float:
-        loss, reference = float(runs[a]["eval_loss"]), float(runs[b]["eval_loss"])
-        return round((loss - reference) / reference, 4)
 
-    out: dict[str, float] = {}
-    for name in runs:
-        if name != "dp" and "dp" in runs:
-            out[f"{name}_vs_dp"] = gap(name, "dp")
-        if name.startswith("decoupled-"):
-            sync = f"sync-fp32-{name.rsplit('-', 1)[1]}"
-            if sync in runs:
-                out[f"{name}_vs_{sync}"] = gap(name, sync)
+def rows(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each row (kind of run) over its seeds: eval and out-of-distribution loss as mean,
+    min, max and spread; bytes and goodput as means."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in sorted({row_of(n) for n in runs}):
+        mine = [r for n, r in sorted(runs.items()) if row_of(n) == row]
+        out[row] = {
+            "seeds": [r["seed"] for r in mine],
+            "eval_loss": spread_of([float(r["eval_loss"]) for r in mine]),
+            "bandwidth_reduction": round(mean(float(r["bandwidth_reduction"]) for r in mine), 2),
+            "goodput": round(mean(float(r["goodput"]) for r in mine), 4),
+            "wall_seconds": round(mean(float(r["wall_seconds"]) for r in mine), 1),
+        }
+        ood = [float(r["ood_loss"]) for r in mine if r.get("ood_loss") is not None]
+        if ood:
+            out[row]["ood_loss"] = spread_of(ood)
     return out
+
+
+def gap(table: dict[str, dict[str, Any]], a: str, b: str, key: str) -> dict[str, Any] | None:
+    """Row a's mean `key` against row b's, relative; `beyond_spread` when the difference of
+    the means is larger than each row's spread over its seeds."""
+    if key not in table[a] or key not in table[b]:
+        return None
+    x, y = table[a][key], table[b][key]
+    diff = x["mean"] - y["mean"]
+    return {
+        "gap": round(diff / y["mean"], 4),
+        "beyond_spread": abs(diff) > max(x["spread"], y["spread"]),
+    }
+
+
+def gaps(table: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Relative gaps of the rows' means: every row against dp, every decoupled row against
+    the sync row of its H; on the evaluation text, and on --ood-data as `..._ood`."""
+    pairs: list[tuple[str, str]] = []
+    for row in table:
+        if row != "dp" and "dp" in table:
+            pairs.append((row, "dp"))
+        if row.startswith("decoupled-"):
+            sync = f"sync-fp32-{row.rsplit('-', 1)[1]}"
+            if sync in table:
+                pairs.append((row, sync))
+    out: dict[str, dict[str, Any]] = {}
+    for a, b in pairs:
+        for key, suffix in (("eval_loss", ""), ("ood_loss", "_ood")):
+            found = gap(table, a, b, key)
+            if found is not None:
+                out[f"{a}_vs_{b}{suffix}"] = found
+    return out
+
+
+def fingerprints(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The windows each run trained on, by seed, and the windows every run was scored on;
+    `equal` when every run of a seed trained on the same windows and all were scored on the
+    same ones."""
+    trained: dict[str, dict[str, str | None]] = {}
+    for name, r in sorted(runs.items()):
+        data = r.get("data") or {}
+        by_seed = trained.setdefault(str(r["seed"]), {})
+        by_seed[row_of(name)] = (data.get("trained") or {}).get("fingerprint")
+    evaluated = {row_of(n): (r.get("data") or {}).get("evaluated") for n, r in sorted(runs.items())}
+    same_text = all(
+        None not in seed.values() and len(set(seed.values())) == 1 for seed in trained.values()
+    )
+    same_eval = None not in evaluated.values() and len(set(map(str, evaluated.values()))) <= 1
+    return {
+        "trained": trained,
+        "evaluated": evaluated,
+        "equal": same_text and same_eval,
+    }
 
 
 def result(
     settings: QualityBench, runs: dict[str, dict[str, Any]], checks: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    found = gaps(runs)
-    decoupled = [n for n in runs if n.startswith("decoupled-") and f"{n}_vs_dp" in found]
-    best = min(decoupled, key=lambda n: found[f"{n}_vs_dp"], default=None)
+    table = rows(runs)
+    found = gaps(table)
+    decoupled = [r for r in table if r.startswith("decoupled-") and f"{r}_vs_dp" in found]
+    best = min(decoupled, key=lambda r: found[f"{r}_vs_dp"]["gap"], default=None)
+    data: dict[str, Any] = next((r["data"] for r in runs.values() if r.get("data")), {})
     out: dict[str, Any] = {
         "scale": settings.scale,
         "learners": settings.learners,
         "steps": steps_of(settings),
+        "tokens_per_run": steps_of(settings)
+        * settings.learners
+        * settings.batch_size
+        * settings.context,
         "model": {
             "layers": settings.layers,
             "width": settings.width,
@@ -202,17 +307,26 @@ def result(
             "batch_size": settings.batch_size,
             "dtype": settings.dtype,
         },
+        "seeds": settings.seeds,
+        "text": {
+            "split": "windows",
+            "train_bytes": data.get("train_bytes"),
+            "cap_bytes": settings.max_corpus_bytes,
+            "capped": data.get("capped"),
+            "ood_data": [str(p) for p in settings.ood_data],
+        },
         "runs": runs,
+        "rows": table,
         "gaps": found,
         "best_decoupled": best,
+        "fingerprints": fingerprints(runs),
         **(checks or {}),
     }
-    # The keys of the first version of this bench, for tools that read them.
-    sync = next((n for n in runs if n.startswith("sync-")), None)
-    if "dp" in runs and sync is not None:
-        out["sync_vs_dp_loss_gap"] = found[f"{sync}_vs_dp"]
-    if "dp" in runs and decoupled:
-        out["decoupled_vs_dp_loss_gap"] = found[f"{decoupled[0]}_vs_dp"]
+    if out["text"]["capped"]:
+        out["text"]["note"] = (
+            f"every run read the same first {data.get('train_bytes')} bytes of the training "
+            f"files (--max-corpus-bytes {settings.max_corpus_bytes})"
+        )
     return out
 
 
@@ -220,7 +334,14 @@ def sanity(settings: QualityBench, common: list[str], root: Path) -> dict[str, A
     """One learner through the decoupled path, each merge the identity, against itself
     alone: the largest difference of their training losses, step by step."""
     steps, h = settings.sanity_steps, settings.inner_steps[0]
-    one = [*common, *learner_flags(settings, 1, steps), *IDENTITY_MERGE, "--log-every", "1"]
+    one = [
+        *common,
+        *lr_flags(settings.lr),
+        *learner_flags(settings, 1, steps),
+        *IDENTITY_MERGE,
+        "--log-every",
+        "1",
+    ]
     curves = {}
     for name, flags in {
         "alone": ["--mode", "sync", "--inner-steps", str(steps)],
@@ -247,64 +368,80 @@ def sanity(settings: QualityBench, common: list[str], root: Path) -> dict[str, A
     }
 
 
-def check_export(settings: QualityBench, name: str, workdir: Path) -> dict[str, Any]:
-    """Score the run's exported model with `atoll eval` (it should give the run's loss)."""
-    if settings.export_dir is None:
-        return {}
-    model_file = settings.export_dir / f"{name}.safetensors"
-    scored = workdir / "eval.json"
+def score(settings: QualityBench, model_file: Path, workdir: Path) -> dict[str, Any]:
+    """The exported final global model scored by `atoll eval`: on the evaluation text, and
+    on --ood-data when given."""
+    scored = workdir / "scored.json"
     atoll([*eval_command(settings, model_file), "--json", str(scored)])
+    found = json.loads(scored.read_text())
     return {
         "model_file": str(model_file),
-        "eval_loss_exported": json.loads(scored.read_text())["eval_loss"],
+        "eval_loss": found["eval_loss"],
+        **({"ood_loss": found["ood_loss"]} if "ood_loss" in found else {}),
     }
 
 
-def export_flags(settings: QualityBench, name: str) -> list[str]:
-    if settings.export_dir is None:
-        return []
-    return ["--export", str(settings.export_dir / f"{name}.safetensors")]
+def check_comparable(settings: QualityBench, earlier: dict[str, Any]) -> None:
+    mine = result(settings, {})
+    for key in ("scale", "learners", "steps", "model", "text"):
+        theirs = earlier.get(key)
+        if key == "text" and isinstance(theirs, dict):
+            theirs = {**theirs, "train_bytes": None, "capped": None}
+            mine[key] = {**mine[key], "train_bytes": None, "capped": None}
+        if theirs != mine[key]:
+            raise ValueError(
+                f"--baseline {settings.baseline} was run with {key} {earlier.get(key)}, "
+                f"this bench with {mine[key]}: its runs are not comparable"
+            )
 
 
 def run(settings: QualityBench) -> None:
     m, steps = settings.learners, steps_of(settings)
-    common = common_flags(settings)
     runs: dict[str, dict[str, Any]] = {}
     checks: dict[str, Any] = {}
     if settings.baseline is not None:
         earlier = json.loads(settings.baseline.read_text())
-        mine = result(settings, {})
-        for key in ("scale", "learners", "steps", "model"):
-            if earlier.get(key) != mine[key]:
-                raise ValueError(
-                    f"--baseline {settings.baseline} was run with {key} {earlier.get(key)}, "
-                    f"this bench with {mine[key]}: its runs are not comparable"
-                )
+        check_comparable(settings, earlier)
         runs.update(earlier["runs"])
         if "sanity" in earlier:
             checks["sanity"] = earlier["sanity"]
     with tempfile.TemporaryDirectory(prefix="atoll-quality-") as tmp:
         root = Path(tmp)
+        models = settings.export_dir or root / "models"
         if "sanity" in settings.runs:
+            common = common_flags(settings, settings.seeds[0])
             checks["sanity"] = sanity(settings, common, root)
             write(result(settings, runs, checks), settings.json_path)
-        if "dp" in settings.runs:
-            dp = data_parallel(
-                root / "dp",
-                [*common, *export_flags(settings, "dp")],
-                m,
-                steps,
-                settings.batch_size,
-                threads=max(2, settings.threads),
-            )
-            runs["dp"] = summarize(
-                dp,
-                bytes=int(dp_equivalent_bytes(dp["parameters"], m, m * steps)),
-                bandwidth_reduction=1.0,
-                **check_export(settings, "dp", root / "dp"),
-            )
-            write(result(settings, runs, checks), settings.json_path)
-        for name, flags in planned(settings):
-            report = up(root / name, [*common, *flags, *export_flags(settings, name)])
-            runs[name] = summarize(report, **check_export(settings, name, root / name))
-            write(result(settings, runs, checks), settings.json_path)
+        for seed in settings.seeds:
+            for row, flags in [("dp", []), *planned(settings)]:
+                if row == "dp" and "dp" not in settings.runs:
+                    continue
+                workdir = root / f"{row}-seed{seed}"
+                model_file = models / f"{row}-seed{seed}.safetensors"
+                common = [*common_flags(settings, seed), "--export", str(model_file)]
+                if row == "dp":
+                    lr = settings.dp_lr if settings.dp_lr is not None else settings.lr
+                    report = data_parallel(
+                        workdir,
+                        [*common, *lr_flags(lr)],
+                        m,
+                        steps,
+                        settings.batch_size,
+                        threads=max(2, settings.threads),
+                    )
+                    extra = {
+                        "bytes": int(dp_equivalent_bytes(report["parameters"], m, m * steps)),
+                        "bandwidth_reduction": 1.0,
+                    }
+                else:
+                    lr, extra = settings.lr, {}
+                    report = up(workdir, [*common, *flags])
+                scores = score(settings, model_file, workdir)
+                runs[run_name(row, seed)] = summarize(report, seed=seed, lr=lr, **extra, **scores)
+                write(result(settings, runs, checks), settings.json_path)
+    final = result(settings, runs, checks)
+    if not final["fingerprints"]["equal"]:
+        raise UnequalText(
+            "runs of one seed trained on different windows, or runs were scored on different "
+            f"ones: {json.dumps(final['fingerprints'])}"
+        )

@@ -135,14 +135,16 @@ class _Model(BaseModel):
 
 
 class QualityBench(_Model, _Output):
-    """Eval loss at equal tokens: data-parallel, sync DiLoCo (fp32) and decoupled (sweeping
-    codec and H), M learners each. `--scale` picks a preset; flags given win over it."""
+    """Eval loss on the same text: data-parallel, sync DiLoCo (fp32) and decoupled (sweeping
+    codec and H), M learners each, every row once per seed; every run's final global model
+    scored on held-out files and on --ood-data. `--scale` picks a preset; flags given win."""
 
     scale: Literal["custom", "gpu", "cpu-smoke"] = Field(
         "custom",
-        description="gpu: a GPT-2-small-sized model (12 layers, width 768, 85.9M parameters, "
-        "context 1024) for 200M tokens per run, M=2, one learner per GPU (data-parallel spans "
-        "them all); cpu-smoke: a tiny model for a minute on a CPU; custom: the flags alone",
+        description="gpu: a 32.3M-parameter model (8 layers, width 576, context 512) for 20 "
+        "tokens per parameter (650M tokens per run), M=2, one learner per GPU (data-parallel "
+        "spans them all); cpu-smoke: a tiny model for a minute or two on a CPU; custom: the "
+        "flags alone",
     )
     learners: int = Field(4, ge=2, le=16, description="M")
     steps: int = Field(150, ge=1, description="inner steps per learner (unless --tokens)")
@@ -169,7 +171,16 @@ class QualityBench(_Model, _Output):
         description="an earlier result JSON of this bench: its runs join this one's (gaps "
         "are computed over both)",
     )
-    lr: float | None = Field(None, gt=0.0, description="inner AdamW peak lr; unset: learner's")
+    lr: float | None = Field(
+        None, gt=0.0, description="inner AdamW peak lr of the DiLoCo runs; unset: the learner's"
+    )
+    dp_lr: float | None = Field(
+        None,
+        gt=0.0,
+        description="inner AdamW peak lr of data-parallel (tune each side: its global batch is "
+        "M times a learner's); unset: --lr",
+    )
+    weight_decay: float = Field(0.01, ge=0.0, description="inner AdamW weight decay, every run")
     warmup_steps: int | None = Field(
         None, ge=0, description="inner warm-up steps; unset: the learner's"
     )
@@ -196,6 +207,17 @@ class QualityBench(_Model, _Output):
         default_factory=list,
         description="evaluation text; empty: every 50th file of --data, held out",
     )
+    ood_data: list[Path] = Field(
+        default_factory=list,
+        description="a second evaluation corpus nobody trained or tuned on (prose, another "
+        "project's sources): every run's final model is scored on it too",
+    )
+    max_corpus_bytes: int = Field(
+        256 << 20,
+        ge=1 << 10,
+        description="training text read, the same first bytes of the files for every run "
+        "(the result says when it cut the text)",
+    )
     eval_batches: int = Field(16, ge=1, description="eval batches (x batch size sequences)")
     eval_windows: int = Field(
         0, ge=0, description="windows every run is scored on; 0: --eval-batches x --batch-size"
@@ -205,7 +227,12 @@ class QualityBench(_Model, _Output):
         description="export each run's final model here (safetensors) and check that "
         "`atoll eval` of it gives the run's eval loss",
     )
-    seed: int = Field(0, description="initialization and data seed")
+    seeds: list[int] = Field(
+        [0, 1],
+        min_length=1,
+        description="initialization and data-order seeds: every row runs once per seed (two "
+        "at least, to see the noise a gap must beat)",
+    )
 
     @model_validator(mode="after")
     def _preset(self) -> QualityBench:
@@ -221,24 +248,26 @@ class QualityBench(_Model, _Output):
 
 
 QUALITY_PRESETS: dict[str, dict[str, Any]] = {
-    # GPT-2 small's shape at byte level: 85.9M parameters. One learner per GPU of a 2-GPU
-    # machine; 32 sequences of 1024 bytes per learner step, 3052 steps = 200M tokens.
+    # 32.3M parameters at 20 tokens per parameter (the DiLoCo scaling-law studies' regime):
+    # one learner per GPU of a 2-GPU pair, 64 sequences of 512 bytes per learner step, 9,919
+    # steps = 650M tokens, about 1.3 passes over the standard library and site-packages.
     "gpu": {
-        "layers": 12,
-        "width": 768,
-        "heads": 12,
-        "context": 1024,
-        "batch_size": 32,
+        "layers": 8,
+        "width": 576,
+        "heads": 9,
+        "context": 512,
+        "batch_size": 64,
         "learners": 2,
-        "tokens": 200_000_000,
+        "tokens": 650_000_000,
         "inner_steps": [100],
         "fragments": 4,
-        "codecs": ["int4", "int2", "sign"],
-        "lr": 1e-3,
-        "warmup_steps": 200,
+        "codecs": ["int4", "int2"],
+        "lr": 2e-3,
+        "warmup_steps": 300,
         "threads": 4,
         "gpus_per_learner": 1,
-        "eval_windows": 512,
+        "eval_windows": 1024,
+        "max_corpus_bytes": 1 << 30,
     },
     # The same three kinds of run at a size a test runs in a minute on a CPU.
     "cpu-smoke": {
