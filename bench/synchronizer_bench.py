@@ -295,7 +295,7 @@ def measure_ingest(
     specs = [LeafSpec("fragment", (n,))]
     static, payload_bytes = _update_chunks(n)
     rounds = (
-        ["--max-staleness", "1000000"]
+        ["--quorum", "1", "--max-staleness", "1000000"]
         if merging
         else ["--mode", "sync", "--quorum", "1000000", "--max-staleness", "1000000"]
     )

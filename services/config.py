@@ -66,7 +66,14 @@ class JobConfig(BaseModel):
         le=1 << 20,
         description="values per scale block (every codec but fp32 and bf16)",
     )
-    quorum: int = Field(1, ge=1, description="K: minimum learners per merge (decoupled mode)")
+    quorum: int = Field(
+        0,
+        ge=0,
+        description="K: minimum learners per merge (decoupled mode). 0: every live learner "
+        "still training, a straggler waited for at most one fragment period (H steps) of the "
+        "round's members and --max-grace-seconds: learners never wait, and each round holds "
+        "every on-time learner's update (measured best, docs/algorithm.md)",
+    )
     grace_gamma: float = Field(
         0.8, ge=0.0, le=10.0, description="gamma of the adaptive grace window (paper Eq. 3)"
     )

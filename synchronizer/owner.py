@@ -829,6 +829,8 @@ class FragmentOwner:
             for u in self.open.in_flight
             if u.accumulator is self.current and u.arrived > u.first_values
         )
+        members = [lv for lv in live.learners if lv.learner in contributors]
+        slowest_member = max((lv.step_time_ema_s for lv in members), default=0.0)
         state = RoundState(
             contributors=len(contributors),
             live_learners=len(live.learners),
@@ -839,6 +841,8 @@ class FragmentOwner:
             finished_learners=finished,
             waiting=waiting,
             streaming_eta_s=etas,
+            first_update_at=min((u.first_at for u in self.open.members), default=None),
+            patience_s=self.config.inner_steps * slowest_member if slowest_member else None,
         )
         slowest = max((lv.step_time_ema_s for lv in live.learners), default=0.0)
         return state, slowest

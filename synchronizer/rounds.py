@@ -41,12 +41,22 @@ class RoundState:
     # Seconds until each update already streaming into this round is expected in (from how
     # fast its chunks have come so far).
     streaming_eta_s: tuple[float, ...] = ()
+    # When the round's earliest update began arriving; None: none yet.
+    first_update_at: float | None = None
+    # How long the round's members can wait for the rest without their next update of this
+    # fragment waiting on it: one fragment period (H steps) of the slowest member; None: not
+    # known.
+    patience_s: float | None = None
+
+
+# A policy's quorum that stands for every live learner still training.
+EVERY_LIVE_LEARNER = 0
 
 
 @dataclass(frozen=True)
 class RoundPolicy:
     mode: str  # "decoupled" or "sync"
-    quorum: int
+    quorum: int  # K; EVERY_LIVE_LEARNER (0): each live learner still training
     overlap_steps: int
     gamma: float
     fixed_grace_s: float | None
@@ -70,11 +80,30 @@ def required_quorum(policy: RoundPolicy, live_learners: int) -> int:
     Sync mode: every learner of the job, as classic DiLoCo: at least the configured quorum
     (the job's M) and every live learner, so a missing learner stops the job until it is back.
     Decoupled mode: the configured quorum, or every live learner if fewer are alive (waiting
-    for learners that do not exist helps no one).
+    for learners that do not exist helps no one); with EVERY_LIVE_LEARNER, each of them (a
+    round then waits for a straggler no longer than its members' patience, `decide`).
     """
     if policy.mode == "sync":
         return max(1, policy.quorum, live_learners)
+    if policy.quorum == EVERY_LIVE_LEARNER:
+        return max(1, live_learners)
     return max(1, min(policy.quorum, live_learners)) if live_learners else policy.quorum
+
+
+def straggler_waited_out(state: RoundState, policy: RoundPolicy) -> bool:
+    """Whether a decoupled round waiting for every live learner (EVERY_LIVE_LEARNER) has
+    waited long enough for the ones not in it: as long as its members can wait without their
+    next update of the fragment being held up (one fragment period of the slowest member, as
+    the learners keep training while their update is in a round), never past
+    --max-grace-seconds. Learners of one speed whose schedules are offset in time all arrive
+    within one period; a slower one does not hold the others back longer than that."""
+    if policy.quorum != EVERY_LIVE_LEARNER or state.first_update_at is None:
+        return False
+    patience = min(
+        state.patience_s if state.patience_s is not None else policy.max_grace_s,
+        policy.max_grace_s,
+    )
+    return state.now - state.first_update_at >= patience
 
 
 # The merge time `coalescing` assumes before a fragment's owner has merged once (its first
@@ -126,7 +155,8 @@ def decide(
     everyone_in = state.contributors >= max(k, state.live_learners)
     if state.quorum_at is None:
         if state.contributors < k:
-            return Decision(merge_now=False)
+            waited = policy.mode == "decoupled" and straggler_waited_out(state, policy)
+            return Decision(merge_now=waited)
         if policy.mode == "sync" or everyone_in:
             grace = 0.0
         elif policy.fixed_grace_s is not None:

@@ -166,3 +166,30 @@ def test_a_round_waits_for_an_update_streaming_in_for_at_most_a_merges_time() ->
         streaming_eta_s=(0.1,),
     )
     assert decide(everyone, policy, slowest_step_s=0.01, t_sync_s=0.8).merge_now
+
+
+def test_every_live_learner_by_default_and_a_straggler_is_waited_for_one_period() -> None:
+    every = RoundPolicy(
+        mode="decoupled", quorum=0, overlap_steps=5, gamma=0.8, fixed_grace_s=None, max_grace_s=30
+    )
+    assert required_quorum(every, 3) == 3
+    assert required_quorum(every, 0) == 1
+
+    def at(now: float, contributors: int = 1) -> bool:
+        round_ = state(contributors, live=3, now=now, first_update_at=100.0, patience_s=4.0)
+        return decide(round_, every, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+
+    # Two of three in: the third is waited for one period of the members (4 s here).
+    assert not at(101.0, 2)
+    assert not at(103.9, 2)
+    assert at(104.0, 2)
+    # Everyone in: at once, no grace needed.
+    assert at(100.5, 3)
+    # The period is capped by --max-grace-seconds; unknown, the cap stands for it.
+    long = state(1, live=3, now=131.0, first_update_at=100.0, patience_s=1e6)
+    assert decide(long, every, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+    unknown = state(1, live=3, now=129.0, first_update_at=100.0)
+    assert not decide(unknown, every, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+    # A configured K stays a hard minimum: no waiting out.
+    k2 = state(1, live=3, now=1000.0, first_update_at=100.0, patience_s=4.0)
+    assert not decide(k2, POLICY, slowest_step_s=0.5, t_sync_s=0.2).merge_now
