@@ -28,7 +28,7 @@ from cluster.chaos import NETWORK_KINDS, ChaosError, Fault, parse, schedule
 from cluster.check import recommit_summary
 from cluster.export import export_model
 from cluster.faultproxy import FaultProxy
-from cluster.metrics import Target, write_file_sd
+from cluster.metrics import Target, run_label, write_file_sd
 from cluster.processes import (
     Child,
     SynchronizerChild,
@@ -237,6 +237,7 @@ class LocalCluster:
 
     def start(self) -> None:
         self.serve_metrics()
+        self.write_targets()  # `atoll up` itself first: Prometheus sees every slot from 0
         if not self.redis_url:
             self.redis = RedisServer(self.workdir / "redis", appendonly=True).start()
             self.redis_url = self.redis.url
@@ -398,11 +399,19 @@ class LocalCluster:
         left the job) or training's end, dead and restarting time included."""
         return slot_seconds(self.slot_started, self.slot_ended, self.training_ended or time.time())
 
+    def provisioned_by_slot(self) -> dict[tuple[str, ...], float]:
+        """What `atoll up` exports: every slot's provisioned seconds, the slots it will
+        launch at 0 until then. A counter's first sample must be its start: Prometheus
+        counts no increase before a series' first sample (`increase` would miss the
+        seconds a slot ran before it was first scraped)."""
+        planned = {f"learner-{i}": 0.0 for i in range(self.s.learners)}
+        return {(k,): v for k, v in (planned | self.provisioned()).items()}
+
     def serve_metrics(self) -> None:
         """--metrics: `atoll up` exports every slot's provisioned seconds on its own port."""
         if not self.s.metrics:
             return
-        tm.SLOT_PROVISIONED.source = lambda: {(k,): v for k, v in self.provisioned().items()}
+        tm.SLOT_PROVISIONED.source = self.provisioned_by_slot
         server, _ = tm.serve_metrics("tool", "127.0.0.1:0")
         self.tool_metrics_port = server.server_port
 
@@ -431,7 +440,15 @@ class LocalCluster:
             for c in self.learners
             if c.name in self.learner_metrics and c.name not in self.slot_ended
         ]
-        write_file_sd(self.targets_path, targets)
+        write_file_sd(
+            self.targets_path, targets, {"atoll_job": self.s.job, "run": run_label(self.started)}
+        )
+
+    def unpublish_targets(self) -> None:
+        """Empty the file_sd file: the processes it listed are gone, and a target that stays
+        listed reads as a replica down (AtollSynchronizerDown) once the run is over."""
+        if self.s.metrics:
+            write_file_sd(self.targets_path, [])
 
     def batch_sizes(self) -> list[int]:
         """Each learner's batch size: --batch-sizes, or --batch-size for all."""
@@ -656,6 +673,7 @@ def run(settings: UpSettings) -> int:
         print(f"atoll up: logs are in {workdir}", file=sys.stderr)
         return 1
     finally:
+        cluster.unpublish_targets()  # first: a process being stopped is not a target down
         cluster.stop()
     view.final(report)
     if settings.plot is not None:

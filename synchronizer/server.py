@@ -33,20 +33,34 @@ log = structlog.get_logger("atoll.synchronizer")
 DRAIN_SECONDS = 5.0
 
 
-async def _watch_store(store: ControlStore, health_servicer: HealthServicer) -> None:
+async def _watch_store(
+    store: ControlStore, health_servicer: HealthServicer, fragments: int
+) -> None:
     """Readiness follows Redis (the service's name is SERVING while Redis answers); liveness
     (the empty name) stays SERVING while the process runs, so a Redis blip never gets every
-    replica restarted."""
+    replica restarted. Each answer also refreshes the job's figures (`tm.JOB`)."""
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     while True:
         try:
             up = await asyncio.wait_for(store.ping(), timeout=2.0)
+            if up:
+                await asyncio.wait_for(_read_job_figures(store, fragments), timeout=2.0)
         except Exception:
             up = False
         tm.REDIS_UP.set(1 if up else 0)
         await health_servicer.set(SERVICE_NAME, serving if up else not_serving)
         await asyncio.sleep(1.0)
+
+
+async def _read_job_figures(store: ControlStore, fragments: int) -> None:
+    stats = await store.stats(fragments)
+    live = await store.live()
+    tm.JOB.set(
+        useful_seconds=stats.get("useful_seconds", 0.0),
+        updates_accepted=stats.get("updates_accepted", 0.0),
+        learners_live=len(live.learners),
+    )
 
 
 def advertised(settings: SynchronizerSettings, port: int) -> str:
@@ -102,6 +116,7 @@ async def serve(settings: SynchronizerSettings) -> None:
     store = open_store(settings.redis_url, settings.job)
     tensors = TensorStore(settings.tensor_store)
     job = await store.job_config(settings.model_dump(include=set(JobConfig.model_fields)))
+    tm.REDIS_UP.set(1)  # it answered: known before the metrics are served
     mine = settings.model_dump(include=set(job))
     if job != mine:
         differing = sorted(k for k in job if job[k] != mine.get(k))
@@ -178,7 +193,7 @@ async def serve(settings: SynchronizerSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks = [
-        asyncio.create_task(_watch_store(store, health_servicer)),
+        asyncio.create_task(_watch_store(store, health_servicer, settings.fragments)),
         asyncio.create_task(service.ownership.run_forever()),
         asyncio.create_task(service.sessions.watch_forever()),
         asyncio.create_task(service.followers.watch_forever()),
