@@ -448,6 +448,8 @@ def test_scrape_labels_match_what_the_alert_rules_select() -> None:
         jobs.add(targets["job"]["replacement"])
         assert targets["slot"]["sourceLabels"] == ["__meta_kubernetes_pod_name"], kind
         assert targets["region"]["sourceLabels"] == ["__meta_kubernetes_pod_label_atoll_dev_region"]
+        # The training job, which the rules group by and the dashboard's variable selects.
+        assert targets["atoll_job"]["replacement"] == "llm-7b", kind  # its job.name
     assert jobs == {"atoll-synchronizer", "atoll-learner"}
     assert relabels["PodMonitor"][-1] == {
         "sourceLabels": ["__meta_kubernetes_pod_label_atoll_dev_pool"],
@@ -455,7 +457,8 @@ def test_scrape_labels_match_what_the_alert_rules_select() -> None:
     }
     rules = next(d for d in docs if d["kind"] == "PrometheusRule")
     exprs = " ".join(r["expr"] for g in rules["spec"]["groups"] for r in g["rules"])
-    selected = set(re.findall(r'job="([^"]+)"', exprs))
+    selected = set(re.findall(r'\bjob="([^"]+)"', exprs))
+    assert "by (atoll_job" in exprs
     assert selected, "the alert rules select no job"
     assert selected <= jobs
 

@@ -143,11 +143,15 @@ capabilities: {drop: [ALL]}
 {{- end -}}
 
 {{/* The labels every atoll series carries, whatever the Prometheus: `job` as the alert rules
-and dashboards name it (atoll-synchronizer, atoll-learner), `slot` (the pod's name: stable
-across a learner's restarts, as a StatefulSet keeps it) and `region`. */}}
+and dashboards name a role's targets (atoll-synchronizer, atoll-learner), `atoll_job` (the
+training job, which the rules group by and the dashboard's `job` variable selects), `slot`
+(the pod's name: stable across a learner's restarts, as a StatefulSet keeps it) and
+`region`. Called with (dict "job" ROLE-JOB "atollJob" .Values.job.name). */}}
 {{- define "atoll.scrapeLabels" -}}
 - targetLabel: job
-  replacement: {{ . }}
+  replacement: {{ .job }}
+- targetLabel: atoll_job
+  replacement: {{ .atollJob | quote }}
 - sourceLabels: [__meta_kubernetes_pod_name]
   targetLabel: slot
 - sourceLabels: [__meta_kubernetes_pod_label_atoll_dev_region]
