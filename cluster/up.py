@@ -636,7 +636,26 @@ RUN_KEYS = (
 )
 
 
+def refused(settings: UpSettings) -> str | None:
+    """What is wrong with the command line's plans (--chaos, --scale), found before any
+    folder or process exists: a refused command leaves nothing behind."""
+    try:
+        if settings.chaos:
+            parse(settings.chaos)
+        if settings.scale:
+            parse_scale(settings.scale)
+    except ChaosError as err:
+        return str(err)
+    if settings.redis_url and "redis-restart" in (settings.chaos or ""):
+        return "redis-restart needs the Redis atoll up starts; drop --redis-url"
+    return None
+
+
 def run(settings: UpSettings) -> int:
+    problem = refused(settings)
+    if problem is not None:
+        print(f"atoll up: {problem}", file=sys.stderr)
+        return 2
     workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="atoll-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(settings, workdir)
