@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from cluster.processes import atoll_command
@@ -101,7 +100,7 @@ class Api:
 
 @contextmanager
 def prometheus(tmp_path: Path, targets: Path) -> Iterator[Api]:
-    assert PROMETHEUS is not None
+    assert PROMETHEUS is not None, "no prometheus on PATH: install the Debian package prometheus"
     rules = tmp_path / "alerts.yaml"
     rules.write_text(cut_for(RULES.read_text()))
     config = tmp_path / "prometheus.yml"
@@ -212,8 +211,8 @@ def firing(
     return out
 
 
-@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (Debian: prometheus)")
 def test_prometheus_tells_the_truth_about_a_run_with_faults(tmp_path: Path) -> None:
+    assert PROMETHEUS is not None, "no prometheus on PATH: install the Debian package prometheus"
     targets = tmp_path / "targets.json"
     targets.write_text("[]\n")
     report_path = tmp_path / "r.json"
