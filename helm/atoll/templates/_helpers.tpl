@@ -88,7 +88,7 @@ win) over its own and the release's podLabels; its own and the release's annotat
 {{- define "atoll.podMetadata" -}}
 labels:
   {{- toYaml (merge (dict) .labels (.spec.podLabels | default dict) .root.Values.podLabels) | nindent 2 }}
-{{- with merge (dict) (.spec.podAnnotations | default dict) .root.Values.podAnnotations }}
+{{- with merge (dict) (.spec.podAnnotations | default dict) .root.Values.podAnnotations (.annotations | default dict) }}
 annotations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -156,4 +156,15 @@ training job, which the rules group by and the dashboard's `job` variable select
   targetLabel: slot
 - sourceLabels: [__meta_kubernetes_pod_label_atoll_dev_region]
   targetLabel: region
+{{- end -}}
+
+
+{{/* A Prometheus without the operator finds the pods by these (monitoring.scrapeAnnotations).
+Called with (dict "root" $ "port" METRICS-PORT). */}}
+{{- define "atoll.scrapeAnnotations" -}}
+{{- if .root.Values.monitoring.scrapeAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end }}
 {{- end -}}
