@@ -36,6 +36,7 @@ from cluster.processes import (
     atoll_command,
     child_env,
     gpu_pinning,
+    stop_all,
     synchronizer_child,
 )
 from cluster.redis_server import RedisServer, free_port
@@ -102,6 +103,8 @@ class LocalCluster:
         self.training_ended: float | None = None
         self.slot_ended: dict[str, float] = {}  # learner slot -> when it left the job
         self.learner_metrics: dict[str, int] = {}  # learner slot -> its /metrics port
+        self.restarted_at: list[float] = []  # when learner slots were restarted (--plot)
+        self.merged_at: list[float] = []  # when merges committed, from Redis (--plot)
         self.tool_metrics_port = 0
         self.scale_plan: list[ScaleEvent] = []
         self._tape_args: list[str] = []  # --tape for learners, when the run keeps one
@@ -216,6 +219,8 @@ class LocalCluster:
             self.tape.write("launched", learner=child.name)
         if restart:
             self.tape.write("restarted", **self._whom(child))
+            if child in self.learners:
+                self.restarted_at.append(time.time())
         self.write_targets()
 
     # --- start ----------------------------------------------------------------------------
@@ -444,6 +449,17 @@ class LocalCluster:
             self.targets_path, targets, {"atoll_job": self.s.job, "run": run_label(self.started)}
         )
 
+    def describe(self) -> str:
+        """What runs now, in words: what Ctrl-C is stopping."""
+        learners = sum(1 for c in self.learners if c.alive())
+        synchronizers = sum(1 for c in self.synchronizers if c.alive())
+        parts = [f"{learners} learner(s)", f"{synchronizers} synchronizer(s)"]
+        if self.redis is not None:
+            parts.append("Redis")
+        if self.proxy is not None:
+            parts.append("the fault proxy")
+        return ", ".join(parts)
+
     def unpublish_targets(self) -> None:
         """Empty the file_sd file: the processes it listed are gone, and a target that stays
         listed reads as a replica down (AtollSynchronizerDown) once the run is over."""
@@ -537,8 +553,10 @@ class LocalCluster:
 
     # --- stop -----------------------------------------------------------------------------
     def stop(self) -> None:
-        for child in [*self.learners, *self.synchronizers]:
-            child.stop()
+        """Learners first (a learner told to stop still syncs its last steps), each group at
+        once: the whole cluster stops within two timeouts, however many it has."""
+        stop_all(self.learners)
+        stop_all(self.synchronizers)
         if self.proxy is not None:
             self.proxy.stop()
         if self.redis is not None:
@@ -551,6 +569,7 @@ class LocalCluster:
         # are counted below as the synchronizer heard them, and it holds no final model.
         summaries = [s for s in read_summaries(self.workdir) if not s.get("partial")]
         logs = [inspect.commit_log(r, self.s.job, p) for p in range(self.s.fragments)]
+        self.merged_at = [float(e["committed_at"]) for log in logs for e in log]
         global_sums = inspect.global_checksums(
             r, self.s.job, self.s.fragments, str(self.workdir / "tensors")
         )
@@ -685,7 +704,15 @@ def run(settings: UpSettings) -> int:
                 dtype=settings.dtype,
             )
     except KeyboardInterrupt:
-        print("atoll up: interrupted; stopping every process", file=sys.stderr)
+        # Said before the wait: each process gets up to 15 s to exit, then is killed. A
+        # second Ctrl-C would only leave processes behind, so it is ignored meanwhile.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(
+            f"atoll up: interrupted; stopping {cluster.describe()} (the learners, then the "
+            f"replicas, each given 15 s to exit before it is killed; logs in {workdir})",
+            file=sys.stderr,
+            flush=True,
+        )
         return 130
     except (RuntimeError, TimeoutError, ValueError, FileNotFoundError, ChaosError) as err:
         print(f"atoll up: {err}", file=sys.stderr)
@@ -698,7 +725,12 @@ def run(settings: UpSettings) -> int:
     if settings.plot is not None:
         from cluster.plot import plot_losses
 
-        plot_losses(read_summaries(workdir), settings.plot)
+        plot_losses(
+            read_summaries(workdir),
+            settings.plot,
+            restarts=cluster.restarted_at,
+            merges=cluster.merged_at,
+        )
     if settings.workdir is None and not settings.keep:  # a failed run keeps its logs
         shutil.rmtree(workdir, ignore_errors=True)
         print(f"atoll up: removed {workdir} (--keep keeps it)", flush=True)
