@@ -331,8 +331,8 @@ PROVISIONED_HELP = (
 )
 LEARNER_PARAMETERS = Gauge(
     "atoll_learner_parameters",
-    "Parameters of the model this learner trains (the data-parallel equivalent of its bytes "
-    "is 8 x parameters per step)",
+    "Parameters of the model this learner trains (data-parallel training would send "
+    "2(M-1)/M x 4 bytes per parameter per learner step)",
     registry=_L,
 )
 LEARNER_LOG_LINES_DROPPED = Counter(
