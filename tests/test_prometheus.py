@@ -93,6 +93,11 @@ class Api:
         assert len(result) == 1, (expr, result)
         return float(result[0]["value"][1])
 
+    def value(self, expr: str, at: float) -> float | None:
+        """An expression's one value; None where it has none (or several)."""
+        result = self.instant(expr, at)
+        return float(result[0]["value"][1]) if len(result) == 1 else None
+
     def series(self, expr: str, start: float, end: float) -> list[dict[str, Any]]:
         return list(
             self.get("query_range", query=expr, start=start, end=end, step=SCRAPE_S)["result"]
@@ -149,6 +154,11 @@ def timeline(api: Api, expr: str, start: float, end: float) -> list[tuple[float,
     """One series' (time, value) points."""
     (series,) = api.series(expr, start, end)
     return [(float(t), float(v)) for t, v in series["values"]]
+
+
+def points(api: Api, expr: str, start: float, end: float) -> list[tuple[float, float]]:
+    """Every series' (time, value) points (none where the expression has no data)."""
+    return [(float(t), float(v)) for s in api.series(expr, start, end) for t, v in s["values"]]
 
 
 def finite(xs: list[float]) -> list[float]:
@@ -257,11 +267,13 @@ def test_prometheus_tells_the_truth_about_a_run_with_faults(tmp_path: Path) -> N
         end = time.time()
         report = json.loads(report_path.read_text())
         assert (tmp_path / "loss.png").stat().st_size > 10_000  # restarts and merges marked
+        # Every problem is collected, so a failure lists them all.
+        problems: list[str] = []
         # What `atoll up` published is gone with it: no target left to read as down.
-        assert json.loads(targets.read_text()) == []
+        if json.loads(targets.read_text()) != []:
+            problems.append("the targets file still lists the run's processes")
         time.sleep(AFTER_S)
         watched = time.time()
-        problems: list[str] = []
         range_s = math.ceil(end - launched) + 2
         assert range_s < 300  # the dashboard's "last 5 minutes" hold the whole run
 
@@ -271,12 +283,14 @@ def test_prometheus_tells_the_truth_about_a_run_with_faults(tmp_path: Path) -> N
             (r["metric"]["job"], r["metric"].get("slot", ""), r["metric"].get("atoll_job"))
             for r in api.instant(f"max_over_time(up[{range_s}s])", end)
         }
-        assert slots == {
+        expected = {
             ("atoll-up", "", JOB),
             ("atoll-synchronizer", "synchronizer-0", JOB),
             ("atoll-synchronizer", "synchronizer-1", JOB),
             *{("atoll-learner", f"learner-{i}", JOB) for i in range(LEARNERS)},
         }
+        if slots != expected:
+            problems.append(f"targets (job, slot, atoll_job): {sorted(slots, key=str)}")
         restarts = f'changes(process_start_time_seconds{{slot="learner-1"}}[{range_s}s])'
         assert api.scalar(restarts, end) >= 1
 
@@ -298,17 +312,18 @@ def test_prometheus_tells_the_truth_about_a_run_with_faults(tmp_path: Path) -> N
             "alert": alert_expr.split(" < 0.7")[0].replace("[15m]", f"[{range_s}s]"),
         }
         for name, expr in goodputs.items():
-            got = api.scalar(expr, end)
-            if abs(got - report["goodput"]) > 0.01:
-                problems.append(f"goodput by {name}: {got:.4f}, report {report['goodput']}")
+            got = api.value(expr, end)
+            if got is None or abs(got - report["goodput"]) > 0.01:
+                problems.append(f"goodput by {name}: {got}, report {report['goodput']}")
         # The stats: updates accepted, bandwidth against data-parallel, the newest version.
-        accepted = api.scalar(templated(panels[106]["targets"][0]["expr"], range_s), end)
+        stat_106 = panels.get(106, {"targets": [{"expr": "absent(up)"}]})["targets"][0]["expr"]
+        accepted = api.value(templated(stat_106, range_s), end)
         if accepted != report["updates"]["accepted"]:
             problems.append(f"updates accepted {accepted}, report {report['updates']['accepted']}")
-        reduction = api.scalar(templated(panels[103]["targets"][0]["expr"], range_s), end)
-        if not 0.5 <= reduction / report["bandwidth_reduction"] <= 2:
+        reduction = api.value(templated(panels[103]["targets"][0]["expr"], range_s), end)
+        if reduction is None or not 0.5 <= reduction / report["bandwidth_reduction"] <= 2:
             problems.append(
-                f"bandwidth vs data-parallel {reduction:.1f}x, report's "
+                f"bandwidth vs data-parallel {reduction}x, report's "
                 f"{report['bandwidth_reduction']}x"
             )
         newest = values(
@@ -322,15 +337,15 @@ def test_prometheus_tells_the_truth_about_a_run_with_faults(tmp_path: Path) -> N
         # one until the old one's lease lapses (10 s), and then gets one at its next retry
         # (within 2 s under atoll up, alternating addresses): a few seconds of 0 where every
         # live learner sat on the dead replica.
-        steps = timeline(api, f'sum(atoll_learner_steps_total{{atoll_job="{JOB}"}})', launched, end)
-        versions = timeline(api, f'max(atoll_fragment_version{{atoll_job="{JOB}"}})', launched, end)
+        steps = timeline(api, "sum(atoll_learner_steps_total)", launched, end)
+        versions = timeline(api, "max(atoll_fragment_version)", launched, end)
         first_step = min(t for t, x in steps if x > 0)
         last_commit = max(
             t
             for (t, x), (_, before) in zip(versions[1:], versions[:-1], strict=True)
             if x != before
         )
-        live = timeline(api, templated(panels[102]["targets"][0]["expr"], range_s), launched, end)
+        live = points(api, templated(panels[102]["targets"][0]["expr"], range_s), launched, end)
         training = [x for t, x in live if first_step <= t <= last_commit]
         zeros = "".join("0" if x == 0 else "." for x in training).split(".")
         if not training or max(map(len, zeros)) > RECONNECT_S:
