@@ -43,7 +43,7 @@ FOR_CUT = 120  # `for: 15m` waits 7.5 s here
 # that would page for every process that exits, as 2 minutes never does.
 FOR_FLOOR_S = 10
 AFTER_S = 15.0  # watched once the run is over: past the floor, and past the targets' removal
-RECONNECT_S = 5  # a learner's new session, once its old one's lease lapsed (see below)
+RECONNECT_S = 3  # a learner's new session, once its old one's lease lapsed (see below)
 SETTLE_S = 4.0  # alerts of the run itself (its goodput) resolve once its series go stale
 
 
@@ -334,9 +334,9 @@ def test_prometheus_tells_the_truth_about_a_run_with_faults(tmp_path: Path) -> N
         # Learners live: no drop to 0 while the run trains, from its first step to its last
         # commit, but for one reconnect. A replica's death ends no learner's lease; but a
         # slot has one session at a time, so a learner whose replica died is refused a new
-        # one until the old one's lease lapses (10 s), and then gets one at its next retry
-        # (within 2 s under atoll up, alternating addresses): a few seconds of 0 where every
-        # live learner sat on the dead replica.
+        # one until the old one's lease lapses (10 s), and asks the replica that refused it
+        # again each second: at most a few seconds of 0 (its retry, the replicas' reading of
+        # Redis and the scrape, a second each) where every live learner sat on the dead one.
         steps = timeline(api, "sum(atoll_learner_steps_total)", launched, end)
         versions = timeline(api, "max(atoll_fragment_version)", launched, end)
         first_step = min(t for t, x in steps if x > 0)
