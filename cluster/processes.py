@@ -136,6 +136,22 @@ class Child:
             return ""
 
 
+def stop_all(children: Sequence[Child], timeout_s: float = 15.0) -> None:
+    """SIGTERM to every child at once, then SIGKILL to those still running `timeout_s`
+    later: stopping N children takes one timeout at most, not N of them."""
+    for child in children:
+        child.signal(signal.SIGCONT)
+        child.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        if child.process is None:
+            continue
+        try:
+            child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
 def wait_for_file(path: Path, child: Child, timeout_s: float = 60.0) -> dict[str, int]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

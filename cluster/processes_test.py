@@ -1,7 +1,13 @@
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from cluster import processes
-from cluster.processes import child_env, gpu_pinning
+from cluster.processes import Child, child_env, gpu_pinning, stop_all
 
 
 def test_each_learner_gets_its_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -29,3 +35,20 @@ def test_jax_stays_on_the_cpu_unless_a_learner_may_use_accelerators(
     assert child_env(accelerators=True)["JAX_PLATFORMS"] == "cpu"
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     assert child_env()["JAX_PLATFORMS"] == "cuda"  # the caller's own wins
+
+
+def test_stop_all_waits_one_timeout_for_every_child(tmp_path: Path) -> None:
+    """Three children that ignore SIGTERM: killed together after one timeout, not three."""
+    ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    children = [
+        Child(f"c{i}", [sys.executable, "-c", ignore], tmp_path / f"c{i}.log", dict(os.environ))
+        for i in range(3)
+    ]
+    for child in children:
+        child.start()
+    time.sleep(0.5)  # each has set its handler
+    started = time.monotonic()
+    stop_all(children, timeout_s=1.0)
+    assert time.monotonic() - started < 2.5
+    assert not any(child.alive() for child in children)
+    assert {child.process.returncode for child in children if child.process} == {-signal.SIGKILL}

@@ -28,7 +28,7 @@ from cluster.chaos import NETWORK_KINDS, ChaosError, Fault, parse, schedule
 from cluster.check import recommit_summary
 from cluster.export import export_model
 from cluster.faultproxy import FaultProxy
-from cluster.metrics import Target, write_file_sd
+from cluster.metrics import Target, run_label, write_file_sd
 from cluster.processes import (
     Child,
     SynchronizerChild,
@@ -36,6 +36,7 @@ from cluster.processes import (
     atoll_command,
     child_env,
     gpu_pinning,
+    stop_all,
     synchronizer_child,
 )
 from cluster.redis_server import RedisServer, free_port
@@ -102,6 +103,8 @@ class LocalCluster:
         self.training_ended: float | None = None
         self.slot_ended: dict[str, float] = {}  # learner slot -> when it left the job
         self.learner_metrics: dict[str, int] = {}  # learner slot -> its /metrics port
+        self.restarted_at: list[float] = []  # when learner slots were restarted (--plot)
+        self.merged_at: list[float] = []  # when merges committed, from Redis (--plot)
         self.tool_metrics_port = 0
         self.scale_plan: list[ScaleEvent] = []
         self._tape_args: list[str] = []  # --tape for learners, when the run keeps one
@@ -216,6 +219,8 @@ class LocalCluster:
             self.tape.write("launched", learner=child.name)
         if restart:
             self.tape.write("restarted", **self._whom(child))
+            if child in self.learners:
+                self.restarted_at.append(time.time())
         self.write_targets()
 
     # --- start ----------------------------------------------------------------------------
@@ -237,6 +242,7 @@ class LocalCluster:
 
     def start(self) -> None:
         self.serve_metrics()
+        self.write_targets()  # `atoll up` itself first: Prometheus sees every slot from 0
         if not self.redis_url:
             self.redis = RedisServer(self.workdir / "redis", appendonly=True).start()
             self.redis_url = self.redis.url
@@ -398,11 +404,19 @@ class LocalCluster:
         left the job) or training's end, dead and restarting time included."""
         return slot_seconds(self.slot_started, self.slot_ended, self.training_ended or time.time())
 
+    def provisioned_by_slot(self) -> dict[tuple[str, ...], float]:
+        """What `atoll up` exports: every slot's provisioned seconds, the slots it will
+        launch at 0 until then. A counter's first sample must be its start: Prometheus
+        counts no increase before a series' first sample (`increase` would miss the
+        seconds a slot ran before it was first scraped)."""
+        planned = {f"learner-{i}": 0.0 for i in range(self.s.learners)}
+        return {(k,): v for k, v in (planned | self.provisioned()).items()}
+
     def serve_metrics(self) -> None:
         """--metrics: `atoll up` exports every slot's provisioned seconds on its own port."""
         if not self.s.metrics:
             return
-        tm.SLOT_PROVISIONED.source = lambda: {(k,): v for k, v in self.provisioned().items()}
+        tm.SLOT_PROVISIONED.source = self.provisioned_by_slot
         server, _ = tm.serve_metrics("tool", "127.0.0.1:0")
         self.tool_metrics_port = server.server_port
 
@@ -431,7 +445,26 @@ class LocalCluster:
             for c in self.learners
             if c.name in self.learner_metrics and c.name not in self.slot_ended
         ]
-        write_file_sd(self.targets_path, targets)
+        write_file_sd(
+            self.targets_path, targets, {"atoll_job": self.s.job, "run": run_label(self.started)}
+        )
+
+    def describe(self) -> str:
+        """What runs now, in words: what Ctrl-C is stopping."""
+        learners = sum(1 for c in self.learners if c.alive())
+        synchronizers = sum(1 for c in self.synchronizers if c.alive())
+        parts = [f"{learners} learner(s)", f"{synchronizers} synchronizer(s)"]
+        if self.redis is not None:
+            parts.append("Redis")
+        if self.proxy is not None:
+            parts.append("the fault proxy")
+        return ", ".join(parts)
+
+    def unpublish_targets(self) -> None:
+        """Empty the file_sd file: the processes it listed are gone, and a target that stays
+        listed reads as a replica down (AtollSynchronizerDown) once the run is over."""
+        if self.s.metrics:
+            write_file_sd(self.targets_path, [])
 
     def batch_sizes(self) -> list[int]:
         """Each learner's batch size: --batch-sizes, or --batch-size for all."""
@@ -520,8 +553,10 @@ class LocalCluster:
 
     # --- stop -----------------------------------------------------------------------------
     def stop(self) -> None:
-        for child in [*self.learners, *self.synchronizers]:
-            child.stop()
+        """Learners first (a learner told to stop still syncs its last steps), each group at
+        once: the whole cluster stops within two timeouts, however many it has."""
+        stop_all(self.learners)
+        stop_all(self.synchronizers)
         if self.proxy is not None:
             self.proxy.stop()
         if self.redis is not None:
@@ -534,6 +569,7 @@ class LocalCluster:
         # are counted below as the synchronizer heard them, and it holds no final model.
         summaries = [s for s in read_summaries(self.workdir) if not s.get("partial")]
         logs = [inspect.commit_log(r, self.s.job, p) for p in range(self.s.fragments)]
+        self.merged_at = [float(e["committed_at"]) for log in logs for e in log]
         global_sums = inspect.global_checksums(
             r, self.s.job, self.s.fragments, str(self.workdir / "tensors")
         )
@@ -619,7 +655,26 @@ RUN_KEYS = (
 )
 
 
+def refused(settings: UpSettings) -> str | None:
+    """What is wrong with the command line's plans (--chaos, --scale), found before any
+    folder or process exists: a refused command leaves nothing behind."""
+    try:
+        if settings.chaos:
+            parse(settings.chaos)
+        if settings.scale:
+            parse_scale(settings.scale)
+    except ChaosError as err:
+        return str(err)
+    if settings.redis_url and "redis-restart" in (settings.chaos or ""):
+        return "redis-restart needs the Redis atoll up starts; drop --redis-url"
+    return None
+
+
 def run(settings: UpSettings) -> int:
+    problem = refused(settings)
+    if problem is not None:
+        print(f"atoll up: {problem}", file=sys.stderr)
+        return 2
     workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="atoll-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(settings, workdir)
@@ -649,19 +704,33 @@ def run(settings: UpSettings) -> int:
                 dtype=settings.dtype,
             )
     except KeyboardInterrupt:
-        print("atoll up: interrupted; stopping every process", file=sys.stderr)
+        # Said before the wait: each process gets up to 15 s to exit, then is killed. A
+        # second Ctrl-C would only leave processes behind, so it is ignored meanwhile.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(
+            f"atoll up: interrupted; stopping {cluster.describe()} (the learners, then the "
+            f"replicas, each given 15 s to exit before it is killed; logs in {workdir})",
+            file=sys.stderr,
+            flush=True,
+        )
         return 130
     except (RuntimeError, TimeoutError, ValueError, FileNotFoundError, ChaosError) as err:
         print(f"atoll up: {err}", file=sys.stderr)
         print(f"atoll up: logs are in {workdir}", file=sys.stderr)
         return 1
     finally:
+        cluster.unpublish_targets()  # first: a process being stopped is not a target down
         cluster.stop()
     view.final(report)
     if settings.plot is not None:
         from cluster.plot import plot_losses
 
-        plot_losses(read_summaries(workdir), settings.plot)
+        plot_losses(
+            read_summaries(workdir),
+            settings.plot,
+            restarts=cluster.restarted_at,
+            merges=cluster.merged_at,
+        )
     if settings.workdir is None and not settings.keep:  # a failed run keeps its logs
         shutil.rmtree(workdir, ignore_errors=True)
         print(f"atoll up: removed {workdir} (--keep keeps it)", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,28 @@ def _fmt(value: str | None, digits: int = 3) -> str:
         return value
 
 
+def slot_status(fields: dict[str, str] | None, lease_live: bool, running: bool) -> str:
+    """A learner slot as the table shows it: `done`; `down` (no process: killed, or not
+    restarted yet); `running` (a live session that has trained); `starting` (a process
+    that has not joined, or not trained, yet: importing, compiling, restoring)."""
+    if fields is not None and fields.get("done") == "1":
+        return "done"
+    if not running:
+        return "down"
+    if fields is not None and lease_live and float(fields.get("step", 0) or 0) > 0:
+        return "running"
+    return "starting"
+
+
+def measured(value: str | None) -> float | None:
+    """A loss as a heartbeat carries it; None where there is none yet (-1, nan, absent)."""
+    try:
+        x = float(value) if value else math.nan
+    except ValueError:
+        return None
+    return x if math.isfinite(x) and x >= 0 else None
+
+
 class LiveView:
     def __init__(self, live: bool, workdir: Path) -> None:
         self.live = live
@@ -74,6 +97,22 @@ class LiveView:
         self.console = Console()
         self._live: Live | None = None
         self._last_plain = 0.0
+        # Each slot's last heard fields, kept after it leaves: the last frame shows them.
+        self._fields: dict[str, dict[str, str]] = {}
+        # Learners take turns evaluating the one global model: the newest result is the
+        # model's eval loss (each learner's own last one is older, of an older model).
+        self._evals: dict[str, str] = {}
+        self.global_eval: float | None = None
+
+    def hear(self, state: ClusterState) -> None:
+        """Take in one snapshot: each slot's fields, and any eval that is new."""
+        for name, fields in state.learners.items():
+            self._fields[name] = fields
+            value = fields.get("eval_loss", "")
+            if value != self._evals.get(name):
+                self._evals[name] = value
+                if measured(value) is not None:
+                    self.global_eval = measured(value)
 
     def __enter__(self) -> LiveView:
         self.console.print(f"[bold]atoll up[/bold]: logs in {self.workdir}")
@@ -97,32 +136,27 @@ class LiveView:
         provisioned = sum(cluster.provisioned().values())
         good = goodput(state.stats.get("useful_seconds", 0.0), provisioned)
         reduction = f"{dp / (up + down):.0f}x" if up + down and dp else "-"
-        evals = [
-            float(f["eval_loss"])
-            for f in state.learners.values()
-            if float(f.get("eval_loss", -1)) >= 0
-        ]
+        self.hear(state)
+        shown = "-" if self.global_eval is None else f"{self.global_eval:.3f}"
         summary = (
             f"t={state.elapsed:6.1f}s  versions={state.versions}  "
-            f"eval {f'{min(evals):.3f}' if evals else '-'}  goodput={good:.2f}  "
+            f"global model eval {shown}  goodput={good:.2f}  "
             f"up={up / 1e6:.1f}MB down={down / 1e6:.1f}MB  vs data-parallel: {reduction} less"
         )
         if self._live is not None:
             table = Table(title="learners", expand=False)
-            for col in ("learner", "state", "step", "loss", "eval loss", "tokens/s"):
+            for col in ("learner", "state", "step", "loss", "tokens/s"):
                 table.add_column(col, justify="right" if col != "learner" else "left")
-            for name in sorted(state.learners):
-                f = state.learners[name]
-                status = (
-                    "done" if f.get("done") == "1" else ("running" if state.alive(f) else "down")
-                )
+            running = {c.name for c in cluster.learners if c.alive()}
+            for name in sorted({c.name for c in cluster.learners} | set(self._fields)):
+                f = self._fields.get(name)
+                heard = name in state.learners and state.alive(state.learners[name])
                 table.add_row(
                     name,
-                    status,
-                    f.get("step", "0").split(".")[0],
-                    _fmt(f.get("loss")),
-                    _fmt(f.get("eval_loss")),
-                    _fmt(f.get("tokens_per_s"), 0),
+                    slot_status(f, heard, name in running),
+                    (f or {}).get("step", "0").split(".")[0],
+                    _fmt((f or {}).get("loss")),
+                    _fmt((f or {}).get("tokens_per_s"), 0),
                 )
             self._live.update(Group(table, summary))
         elif time.monotonic() - self._last_plain >= PLAIN_EVERY_S:

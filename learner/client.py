@@ -45,6 +45,8 @@ from services.wirecount import counting_parser, counting_serializer
 SERVICE = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
 
 log = structlog.get_logger("atoll.learner.client")
+# How soon a slot told its session is live elsewhere asks again (`_run`).
+BUSY_RETRY_S = 1.0
 INGEST_TIMEOUT_S = 120.0
 NO_OWNER_WAIT_S = 0.2
 INGEST_CALLS = 4  # updates on their way to owners at once (each its own Ingest call)
@@ -909,8 +911,14 @@ class SynchronizerClient:
         self._bind_log_context()
         delays = backoff_delays(max_s=self.max_backoff_s, initial_s=min(1.0, self.max_backoff_s))
         first = True
+        # A replica that said this slot's session is still live elsewhere (its replica died
+        # less than a lease ago) answers: ask it again each second until that lease lapses,
+        # not in turn with addresses that may be dead, nor after a growing backoff, so the
+        # slot is back in the job within a second of the lapse.
+        busy_at: str | None = None
         while not self._closed.is_set():
-            address = next(self._address_cycle)
+            address = busy_at or next(self._address_cycle)
+            busy_at = None
             try:
                 self._session(address, first)
                 delays = backoff_delays(
@@ -925,6 +933,8 @@ class SynchronizerClient:
                     log.error("session_refused", code=str(code), details=details)
                     return
                 log.info("session_broken", address=address, code=str(code), details=details)
+                if code == grpc.StatusCode.ALREADY_EXISTS:
+                    busy_at = address
             except ValueError as err:  # a garbled value while catching up: start over
                 log.warning("session_broken", address=address, error=str(err))
             finally:
@@ -935,7 +945,7 @@ class SynchronizerClient:
                 return
             first = False
             self.stats.reconnects += 1
-            self._closed.wait(next(delays))
+            self._closed.wait(min(BUSY_RETRY_S, self.max_backoff_s) if busy_at else next(delays))
 
     def _session(self, address: str, first: bool) -> None:
         if self._channel is not None:

@@ -13,6 +13,7 @@ from learner.group import Group
 from learner.settings import LearnerSettings
 from services import telemetry as tm
 from services import tls
+from services.grpcopts import cannot_listen
 
 log = structlog.get_logger("atoll.learner")
 
@@ -89,7 +90,11 @@ def train(settings: LearnerSettings, joined: Group) -> None:
     if not settings.export_provisioned:
         tm.GOODPUT.supervised()
     if settings.metrics_listen:
-        tm.serve_metrics("learner", settings.metrics_listen)
+        try:
+            tm.serve_metrics("learner", settings.metrics_listen)
+        except OSError as err:
+            message = cannot_listen("--metrics-listen", settings.metrics_listen, err)
+            raise SystemExit(f"atoll learner: {message}") from None
     from learner.client import SessionError
 
     learner = Learner(settings, workload.load(settings), joined)

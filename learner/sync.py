@@ -117,6 +117,9 @@ class SyncEngine:
         # What the heartbeats report: the loop tells (`after_step`'s keywords, `done`).
         self.step = 0
         self.tokens = 0
+        # Tokens this incarnation began from (a restored slot's count): its tokens/s are its
+        # own, since its own start, not the slot's total over this process's age.
+        self._tokens_at_start = 0
         self.loss = math.nan
         self.eval_loss = math.nan
         self.ema_step_s = 0.0
@@ -262,6 +265,7 @@ class SyncEngine:
         """Record on the tape where this incarnation starts: after any restore, at the
         loop's step and token count (a restarted slot goes on from them)."""
         self.step, self.tokens = step, tokens
+        self._tokens_at_start = tokens
         self._last_call = time.monotonic()
         self.record("joined", restored=restored)
 
@@ -580,7 +584,7 @@ class SyncEngine:
         self.client.heartbeat(
             step=self.step,
             step_time_ema_s=self.ema_step_s,
-            tokens_per_s=self.tokens / elapsed,
+            tokens_per_s=(self.tokens - self._tokens_at_start) / elapsed,
             loss=self.loss,
             eval_loss=self.eval_loss,
             done=done,
@@ -769,6 +773,7 @@ class SyncEngine:
             k: jax.device_put(jnp.asarray(flat[k]), v.sharding) for k, v in current_flat.items()
         }
         self.step, self.tokens = int(loaded.meta["step"]), int(loaded.meta["tokens"])
+        self._tokens_at_start = self.tokens
         log.info(
             "restored",
             learner=self.settings.id,

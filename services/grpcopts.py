@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import socket
 from collections.abc import Iterator
 
 # Payloads travel in chunks of at most 4 MiB; the limit leaves room for the envelope.
@@ -67,6 +68,34 @@ def split_hostport(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"address {address!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
     return host.strip("[]"), int(port)
+
+
+def bind_error(listen: str) -> OSError | None:
+    """Why HOST:PORT cannot be listened on now (the port in use, the address not this
+    machine's), or None; port 0 (any free one) always can. Asked before a server binds, so
+    the user reads one line naming the flag, not a bind failure deep in a library."""
+    host, port = split_hostport(listen)
+    if port == 0:
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as err:  # socket.gaierror is one
+        return err
+    return None
+
+
+def cannot_listen(flag: str, listen: str, err: BaseException) -> str:
+    """The one line that says a listener's address cannot be had, and what to do."""
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+    return (
+        f"cannot listen on {flag} {listen}: {reason.lower()}; choose a free port, or stop "
+        "the process that holds it"
+    )
 
 
 def target_host(target: str) -> str:

@@ -1,10 +1,13 @@
-"""The host a secure channel checks a server's certificate against, from gRPC targets."""
+"""The host a secure channel checks a server's certificate against, from gRPC targets; why
+an address cannot be listened on."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from services.grpcopts import target_host
+from services.grpcopts import bind_error, cannot_listen, target_host
 
 
 @pytest.mark.parametrize(
@@ -28,3 +31,19 @@ from services.grpcopts import target_host
 )
 def test_target_host(target: str, host: str) -> None:
     assert target_host(target) == host
+
+
+def test_bind_error_says_why_an_address_cannot_be_listened_on() -> None:
+    assert bind_error("127.0.0.1:0") is None
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        address = f"127.0.0.1:{holder.getsockname()[1]}"
+        err = bind_error(address)
+        assert err is not None
+        assert cannot_listen("--listen", address, err) == (
+            f"cannot listen on --listen {address}: address already in use; choose a free "
+            "port, or stop the process that holds it"
+        )
+    assert bind_error(address) is None  # free again
+    assert bind_error("192.0.2.1:9400") is not None  # not this machine's address

@@ -30,7 +30,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.goodput import Release
@@ -136,6 +136,67 @@ def serve_metrics(role: Role, listen: str) -> tuple[WSGIServer, threading.Thread
     return start_http_server(port, addr=host, registry=REGISTRIES[role])
 
 
+class KnownGauge(Collector):
+    """A gauge with no sample until its first `set`: a value not yet known is absent, not
+    0 (a loss of 0 before the first step, Redis reported down before the first check)."""
+
+    def __init__(self, name: str, doc: str, registry: CollectorRegistry) -> None:
+        self.name, self.doc = name, doc
+        self.value: float | None = None
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.doc)
+        if self.value is not None:
+            family.add_metric([], self.value)
+        yield family
+
+
+class JobFigures(Collector):
+    """The job's own counts, as the replica last read them from Redis, where each fact is
+    final (a merge's useful seconds and an update's first receipt are counted there once,
+    by the script that commits or records them). A replica that dies loses none of them
+    and one that starts exports the job's totals, not its own since it started; every
+    replica of a job exports the same figures, so queries take `max` over them. Absent
+    until the first reading."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.read: dict[str, float] | None = None
+        registry.register(self)
+
+    def set(self, *, useful_seconds: float, updates_accepted: float, learners_live: int) -> None:
+        self.read = {
+            "useful_seconds": useful_seconds,
+            "updates_accepted": updates_accepted,
+            "learners_live": float(learners_live),
+        }
+
+    def collect(self) -> Iterator[Metric]:
+        useful = CounterMetricFamily(
+            "atoll_job_useful_seconds",
+            "Useful learner seconds of every merge the job committed (the run report's "
+            "useful_seconds), as read from Redis; the same on every replica",
+        )
+        accepted = CounterMetricFamily(
+            "atoll_job_updates_accepted",
+            "Updates the job admitted, each counted once however often it was re-sent (the "
+            "run report's updates.accepted), as read from Redis; the same on every replica",
+        )
+        live = GaugeMetricFamily(
+            "atoll_job_learners_live",
+            "Learners whose session lease is live in Redis (a replica's restart does not end "
+            "it); the same on every replica",
+        )
+        if self.read is not None:
+            useful.add_metric([], self.read["useful_seconds"])
+            accepted.add_metric([], self.read["updates_accepted"])
+            live.add_metric([], self.read["learners_live"])
+        yield from (useful, accepted, live)
+
+
 # --- synchronizer ---------------------------------------------------------------------------
 _S = SYNCHRONIZER
 LEARNERS_CONNECTED = Gauge(
@@ -171,7 +232,8 @@ MERGE_ABORTS = Counter(
 QUORUM_SIZE = Histogram(
     "atoll_merge_quorum_size",
     "Learners whose updates entered one merge",
-    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+    # A bucket per whole number up to 16: a quantile's bucket, rounded up, is the quorum.
+    buckets=(*range(1, 17), 24, 32, 48, 64),
     registry=_S,
 )
 GRACE_SECONDS = Histogram(
@@ -209,7 +271,7 @@ INGEST_WAIT_SECONDS = Histogram(
 STALENESS = Histogram(
     "atoll_update_staleness_versions",
     "Versions between an update's base and the fragment's version when it was merged",
-    buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+    buckets=(*range(9), 12, 16),
     registry=_S,
 )
 BYTES = Counter(
@@ -221,7 +283,12 @@ BYTES = Counter(
 FRAGMENT_VERSION = Gauge(
     "atoll_fragment_version", "Committed version of a fragment", ["fragment"], registry=_S
 )
-REDIS_UP = Gauge("atoll_redis_up", "1 while Redis answers this replica, else 0", registry=_S)
+REDIS_UP = KnownGauge(
+    "atoll_redis_up",
+    "1 while Redis answers this replica, else 0 (absent before its first check)",
+    _S,
+)
+JOB = JobFigures(_S)
 
 # --- learner --------------------------------------------------------------------------------
 _L = LEARNER
@@ -237,9 +304,13 @@ LEARNER_STEP_SECONDS = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
     registry=_L,
 )
-LEARNER_LOSS = Gauge("atoll_learner_loss", "Training loss of the last inner step", registry=_L)
-LEARNER_EVAL_LOSS = Gauge(
-    "atoll_learner_eval_loss", "Eval loss of the last global model seen", registry=_L
+LEARNER_LOSS = KnownGauge(
+    "atoll_learner_loss", "Training loss of the last inner step (absent before the first)", _L
+)
+LEARNER_EVAL_LOSS = KnownGauge(
+    "atoll_learner_eval_loss",
+    "Eval loss of the last global model seen (absent before the first evaluation)",
+    _L,
 )
 LEARNER_BYTES = Counter(
     "atoll_learner_bytes_total",
@@ -260,8 +331,8 @@ PROVISIONED_HELP = (
 )
 LEARNER_PARAMETERS = Gauge(
     "atoll_learner_parameters",
-    "Parameters of the model this learner trains (the data-parallel equivalent of its bytes "
-    "is 8 x parameters per step)",
+    "Parameters of the model this learner trains (data-parallel training would send "
+    "2(M-1)/M x 4 bytes per parameter per learner step)",
     registry=_L,
 )
 LEARNER_LOG_LINES_DROPPED = Counter(
@@ -271,13 +342,6 @@ LEARNER_LOG_LINES_DROPPED = Counter(
 )
 REJOINS = Counter(
     "atoll_learner_rejoins_total", "Times this learner (re)joined a synchronizer", registry=_L
-)
-
-USEFUL_SECONDS = Counter(
-    "atoll_useful_seconds_total",
-    "Useful learner seconds of the merges this replica committed (the run report's "
-    "useful_seconds; credited at commit)",
-    registry=_S,
 )
 
 

@@ -75,3 +75,21 @@ def test_a_log_line_that_cannot_be_written_is_dropped_and_counted() -> None:
     before = tm.LOG_LINES_DROPPED._value.get()
     _log_to_full_device(tm.LOG_LINES_DROPPED.inc, "lost")
     assert tm.LOG_LINES_DROPPED._value.get() == before + 1
+
+
+def test_a_value_not_known_yet_is_absent_not_zero() -> None:
+    registry = CollectorRegistry()
+    gauge = tm.KnownGauge("atoll_test_loss", "a loss", registry)
+    job = tm.JobFigures(registry)
+    samples = {s.name for f in registry.collect() for s in f.samples}
+    assert samples == set()  # no 0 before the first step or the first reading of Redis
+    assert {f.name for f in registry.collect()} >= {"atoll_test_loss", "atoll_job_useful_seconds"}
+    gauge.set(2.5)
+    job.set(useful_seconds=12.0, updates_accepted=7, learners_live=3)
+    values = {s.name: s.value for f in registry.collect() for s in f.samples}
+    assert values == {
+        "atoll_test_loss": 2.5,
+        "atoll_job_useful_seconds_total": 12.0,
+        "atoll_job_updates_accepted_total": 7.0,
+        "atoll_job_learners_live": 3.0,
+    }

@@ -1025,7 +1025,6 @@ class FragmentOwner:
         self.written = None
         if (version + p) % VALUE_EVERY == 0:  # fragments take turns
             self._start_keyframe(version)
-        tm.USEFUL_SECONDS.inc(useful)
         seconds = time.monotonic() - started
         self.t_sync_s = (
             seconds if not self.t_sync_s else T_SYNC_DECAY * self.t_sync_s + 0.2 * seconds

@@ -23,7 +23,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from services import kernels, tls
 from services import telemetry as tm
 from services.config import JobConfig, SynchronizerSettings
-from services.grpcopts import server_options, split_hostport
+from services.grpcopts import bind_error, cannot_listen, server_options, split_hostport
 from synchronizer.auth import Authenticator, load_tokens
 from synchronizer.service import SERVICE_NAME, SynchronizerService
 from synchronizer.store import ControlStore, StoreError, open_store, redact
@@ -33,20 +33,34 @@ log = structlog.get_logger("atoll.synchronizer")
 DRAIN_SECONDS = 5.0
 
 
-async def _watch_store(store: ControlStore, health_servicer: HealthServicer) -> None:
+async def _watch_store(
+    store: ControlStore, health_servicer: HealthServicer, fragments: int
+) -> None:
     """Readiness follows Redis (the service's name is SERVING while Redis answers); liveness
     (the empty name) stays SERVING while the process runs, so a Redis blip never gets every
-    replica restarted."""
+    replica restarted. Each answer also refreshes the job's figures (`tm.JOB`)."""
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     while True:
         try:
             up = await asyncio.wait_for(store.ping(), timeout=2.0)
+            if up:
+                await asyncio.wait_for(_read_job_figures(store, fragments), timeout=2.0)
         except Exception:
             up = False
         tm.REDIS_UP.set(1 if up else 0)
         await health_servicer.set(SERVICE_NAME, serving if up else not_serving)
         await asyncio.sleep(1.0)
+
+
+async def _read_job_figures(store: ControlStore, fragments: int) -> None:
+    stats = await store.stats(fragments)
+    live = await store.live()
+    tm.JOB.set(
+        useful_seconds=stats.get("useful_seconds", 0.0),
+        updates_accepted=stats.get("updates_accepted", 0.0),
+        learners_live=len(live.learners),
+    )
 
 
 def advertised(settings: SynchronizerSettings, port: int) -> str:
@@ -77,13 +91,17 @@ def authenticator(settings: SynchronizerSettings) -> Authenticator:
 
 def bind(server: grpc.aio.Server, settings: SynchronizerSettings) -> int:
     """Listen with TLS (mTLS with --tls-ca), or in plaintext with --insecure."""
-    if settings.tls_cert is None or settings.tls_key is None:
-        return server.add_insecure_port(settings.listen)
     try:
+        if settings.tls_cert is None or settings.tls_key is None:
+            return server.add_insecure_port(settings.listen)
         credentials = tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
+        return server.add_secure_port(settings.listen, credentials)
     except tls.TlsError as err:
         raise SystemExit(f"atoll synchronizer: {err}") from None
-    return server.add_secure_port(settings.listen, credentials)
+    except RuntimeError as err:  # gRPC's "Failed to bind": taken since `bind_error` looked
+        raise SystemExit(
+            f"atoll synchronizer: {cannot_listen('--listen', settings.listen, err)}"
+        ) from None
 
 
 def transport(settings: SynchronizerSettings) -> str:
@@ -98,10 +116,19 @@ async def serve(settings: SynchronizerSettings) -> None:
     problem = settings.transport_problem()
     if problem is not None:
         raise SystemExit(f"atoll synchronizer: {problem}")
+    for flag, listen in (
+        ("--listen", settings.listen),
+        ("--metrics-listen", settings.metrics_listen),
+        ("--health-listen", settings.health_listen),
+    ):
+        in_use = bind_error(listen) if listen else None
+        if in_use is not None:
+            raise SystemExit(f"atoll synchronizer: {cannot_listen(flag, listen, in_use)}")
     interceptor = authenticator(settings)
     store = open_store(settings.redis_url, settings.job)
     tensors = TensorStore(settings.tensor_store)
     job = await store.job_config(settings.model_dump(include=set(JobConfig.model_fields)))
+    tm.REDIS_UP.set(1)  # it answered: known before the metrics are served
     mine = settings.model_dump(include=set(job))
     if job != mine:
         differing = sorted(k for k in job if job[k] != mine.get(k))
@@ -115,7 +142,10 @@ async def serve(settings: SynchronizerSettings) -> None:
     server = grpc.aio.server(options=server_options(), interceptors=[interceptor])
     port = bind(server, settings)
     if port == 0:
-        raise SystemExit(f"cannot listen on {settings.listen}: the address is taken or invalid")
+        raise SystemExit(
+            f"atoll synchronizer: cannot listen on --listen {settings.listen}: the address is "
+            "taken or not this machine's; choose a free port"
+        )
     service = SynchronizerService(settings, store, tensors, advertised(settings, port))
     # The decoders compile (a machine's first run) or load from numba's cache meanwhile.
     warming = asyncio.create_task(asyncio.to_thread(kernels.warm))
@@ -141,7 +171,12 @@ async def serve(settings: SynchronizerSettings) -> None:
         ),
         server,
     )
-    metrics_server, _ = tm.serve_metrics("synchronizer", settings.metrics_listen)
+    try:
+        metrics_server, _ = tm.serve_metrics("synchronizer", settings.metrics_listen)
+    except OSError as err:
+        raise SystemExit(
+            f"atoll synchronizer: {cannot_listen('--metrics-listen', settings.metrics_listen, err)}"
+        ) from None
     probes = None
     if settings.health_listen:
         # Health only, in plaintext: probes that cannot speak TLS; nothing else is served.
@@ -178,7 +213,7 @@ async def serve(settings: SynchronizerSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks = [
-        asyncio.create_task(_watch_store(store, health_servicer)),
+        asyncio.create_task(_watch_store(store, health_servicer, settings.fragments)),
         asyncio.create_task(service.ownership.run_forever()),
         asyncio.create_task(service.sessions.watch_forever()),
         asyncio.create_task(service.followers.watch_forever()),
@@ -242,8 +277,10 @@ def run(settings: SynchronizerSettings) -> None:
         asyncio.run(serve(settings))
     except (StoreError, TensorStoreError) as err:
         raise SystemExit(f"atoll synchronizer: {err}") from None
-    except (RedisError, RedisClusterException, OSError) as err:
+    except (RedisError, RedisClusterException) as err:
         raise SystemExit(
             f"atoll synchronizer: cannot reach Redis at {redact(settings.redis_url)} "
             f"({type(err).__name__}); start it or fix --redis-url"
         ) from None
+    except OSError as err:  # not Redis's (its client wraps its own): a file, a socket
+        raise SystemExit(f"atoll synchronizer: {err}") from None

@@ -244,7 +244,7 @@ def test_defaults_give_synchronizers_a_pool_and_redis() -> None:
     assert "--tensor-store=/var/lib/atoll/tensors" in container["args"]
     assert "--advertise=$(POD_IP):50051" in container["args"]
     claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
-    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]  # see the tensor store's test
     bucket = render({"tensorStore": {"url": "s3://bucket/atoll"}})
     sync = next(d for d in bucket if d["kind"] == "Deployment")
     assert (
@@ -389,7 +389,9 @@ def test_extension_points_reach_the_pods() -> None:
         pod, container = template["spec"], template["spec"]["containers"][0]
         assert template["metadata"]["labels"]["team"] == "research"
         assert template["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "training"
-        assert template["metadata"]["annotations"] == {"example.com/owner": "research"}
+        annotations = template["metadata"]["annotations"]
+        assert annotations["example.com/owner"] == "research"
+        assert annotations["prometheus.io/scrape"] == "true"  # the chart's own, kept
         assert pod["priorityClassName"] == "training"
         assert pod["serviceAccountName"] == "trainer"
         assert pod["nodeSelector"] == {"pool": "big"}
@@ -433,6 +435,101 @@ def test_tls_mounts_cert_manager_certificates() -> None:
             assert "--insecure" in d["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
+def test_tls_takes_existing_secrets_instead_of_cert_manager() -> None:
+    docs = render(
+        {
+            "tls": {"enabled": True, "existingSecret": "sync-certs"},
+            "learnerPools": {"main": {"tlsSecret": "main-certs"}},
+        }
+    )
+    assert not [d for d in docs if d["kind"] == "Certificate"]
+    secrets = {}
+    for d in docs:
+        if d["kind"] in WORKLOADS and d["metadata"]["name"] != "atoll-redis":
+            pod = d["spec"]["template"]["spec"]
+            (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+            secrets[d["metadata"]["name"]] = volume["secret"]["secretName"]
+            assert "--tls-cert=/etc/atoll/tls/tls.crt" in pod["containers"][0]["args"]
+    assert secrets == {"atoll-synchronizer": "sync-certs", "atoll-learner-main": "main-certs"}
+    # A pool with neither its Secret nor an issuer: the install says which and what to set.
+    with pytest.raises(helm.HelmError, match=r"learnerPools\.main\.tlsSecret"):
+        render({"tls": {"enabled": True, "existingSecret": "sync-certs"}})
+    # cert-manager for the replicas, a Secret for one pool: only the others get a Certificate.
+    docs = render(
+        {
+            "tls": {"enabled": True, "issuerRef": {"name": "ca"}},
+            "learnerPools": {"main": {"tlsSecret": "main-certs"}},
+        }
+    )
+    names = {d["spec"]["secretName"] for d in docs if d["kind"] == "Certificate"}
+    assert names == {"atoll-synchronizer-tls"}
+
+
+def pod_of(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    (workload,) = [d for d in docs if d["kind"] in WORKLOADS and d["metadata"]["name"] == name]
+    return dict(workload["spec"]["template"])
+
+
+def test_learners_have_startup_and_liveness_probes_on_their_own_server() -> None:
+    container = pod_of(render(), "atoll-learner-main")["spec"]["containers"][0]
+    metrics = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
+    assert "--metrics-listen=0.0.0.0:9410" in container["args"]
+    assert metrics == 9410
+    for probe in ("startupProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}, probe
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 1800
+    values = {"learnerPools": {"main": {"probes": {"enabled": False}}}}
+    assert (
+        "livenessProbe" not in pod_of(render(values), "atoll-learner-main")["spec"]["containers"][0]
+    )
+
+
+def test_the_tensor_store_default_binds_on_a_default_storage_class() -> None:
+    docs = render()
+    (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    # ReadWriteOnce, which every default storage class offers; no class named.
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert "storageClassName" not in claim["spec"]
+    # ... so the replicas share the node that mounts it.
+    affinity = pod_of(docs, "atoll-synchronizer")["spec"]["affinity"]
+    (term,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "synchronizer"
+    # ReadWriteMany, object storage or a claim of one's own: spread over nodes.
+    for values in (
+        {"tensorStore": {"accessMode": "ReadWriteMany", "storageClassName": "nfs"}},
+        {"tensorStore": {"url": "s3://bucket/atoll"}},
+        {"tensorStore": {"existingClaim": "mine"}},
+    ):
+        docs = render(values)
+        affinity = pod_of(docs, "atoll-synchronizer")["spec"]["affinity"]
+        assert "podAffinity" not in affinity, values
+        assert "podAntiAffinity" in affinity, values
+    (claim,) = [
+        d
+        for d in render({"tensorStore": {"accessMode": "ReadWriteMany"}})
+        if d["kind"] == "PersistentVolumeClaim"
+    ]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_pods_carry_scrape_annotations_for_a_prometheus_without_the_operator() -> None:
+    docs = render()
+    for name, port in (("atoll-synchronizer", "9400"), ("atoll-learner-main", "9410")):
+        meta = pod_of(docs, name)["metadata"]
+        assert meta["annotations"] == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": port,
+            "prometheus.io/path": "/metrics",
+        }, name
+        # What the documented relabelling reads: the training job and the component.
+        assert meta["labels"]["atoll.dev/job"] == "atoll", name
+        assert meta["labels"]["app.kubernetes.io/component"] in name, name
+    docs = render({"monitoring": {"scrapeAnnotations": False}})
+    assert "annotations" not in pod_of(docs, "atoll-synchronizer")["metadata"]
+
+
 def test_scrape_labels_match_what_the_alert_rules_select() -> None:
     docs = render(overlay(CHART / "examples" / "values-home.yaml"))
     relabels = {
@@ -448,6 +545,8 @@ def test_scrape_labels_match_what_the_alert_rules_select() -> None:
         jobs.add(targets["job"]["replacement"])
         assert targets["slot"]["sourceLabels"] == ["__meta_kubernetes_pod_name"], kind
         assert targets["region"]["sourceLabels"] == ["__meta_kubernetes_pod_label_atoll_dev_region"]
+        # The training job, which the rules group by and the dashboard's variable selects.
+        assert targets["atoll_job"]["replacement"] == "llm-7b", kind  # its job.name
     assert jobs == {"atoll-synchronizer", "atoll-learner"}
     assert relabels["PodMonitor"][-1] == {
         "sourceLabels": ["__meta_kubernetes_pod_label_atoll_dev_pool"],
@@ -455,7 +554,8 @@ def test_scrape_labels_match_what_the_alert_rules_select() -> None:
     }
     rules = next(d for d in docs if d["kind"] == "PrometheusRule")
     exprs = " ".join(r["expr"] for g in rules["spec"]["groups"] for r in g["rules"])
-    selected = set(re.findall(r'job="([^"]+)"', exprs))
+    selected = set(re.findall(r'\bjob="([^"]+)"', exprs))
+    assert "by (atoll_job" in exprs
     assert selected, "the alert rules select no job"
     assert selected <= jobs
 
@@ -475,6 +575,7 @@ def test_scrape_labels_match_what_the_alert_rules_select() -> None:
         ({"redis": {"url": "http://redis:6379"}}, "url"),
         ({"redis": {"url": "redis://:hunter2@redis:6379/0"}}, "url"),
         ({"tls": {"enabled": True}}, "issuerRef"),
+        ({"tensorStore": {"accessMode": "ReadWriteMost"}}, "accessMode"),
     ],
 )
 def test_bad_values_are_refused_by_the_schema(values: dict[str, Any], match: str) -> None:

@@ -69,6 +69,12 @@ def test_health_serving_and_metrics(
         "atoll_redis_up",
     ):
         assert name in text
+    # Redis's health is known from the first scrape (never 0 before a first check), and the
+    # job's own counts, read from Redis, are there once the replica is ready.
+    assert "atoll_redis_up 1.0" in text
+    assert "atoll_job_useful_seconds_total 0.0" in text
+    assert "atoll_job_updates_accepted_total 0.0" in text
+    assert "atoll_job_learners_live 0.0" in text
     assert health(sync.address, "") == health_pb2.HealthCheckResponse.SERVING
     redis_server.stop()
     wait_until(

@@ -223,3 +223,49 @@ def test_a_successful_run_removes_its_temporary_folder_unless_kept(tmp_path: Pat
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert len(list(tmp_path.glob("atoll-up-*"))) == left, proc.stdout
+
+
+def test_ctrl_c_says_what_it_stops_stops_it_and_unpublishes_the_targets(tmp_path: Path) -> None:
+    targets = tmp_path / "targets.json"
+    proc = subprocess.Popen(
+        [
+            *atoll_command("up"),
+            "--workdir",
+            str(tmp_path / "w"),
+            *SMALL,
+            "--learners",
+            "2",
+            "--steps",
+            "100000",
+            "--metrics",
+            "--metrics-targets",
+            str(targets),
+            "--no-live",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while "learner-1" not in (targets.read_text() if targets.exists() else ""):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the learners were never launched"
+            time.sleep(0.2)
+        proc.send_signal(2)  # SIGINT: Ctrl-C
+        interrupted = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    # Both groups stopped at once: within their two timeouts, whatever the learners did.
+    assert time.monotonic() - interrupted < 40
+    assert proc.returncode == 130
+    assert "atoll up: interrupted; stopping 2 learner(s), 1 synchronizer(s), Redis" in err, err
+    assert "Traceback" not in err, err
+    assert json.loads(targets.read_text()) == []
+    leftovers = [
+        p.info["cmdline"]
+        for p in psutil.process_iter(["cmdline"])
+        if any(str(tmp_path) in part for part in (p.info["cmdline"] or []))
+    ]
+    assert not leftovers, leftovers

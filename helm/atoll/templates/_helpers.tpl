@@ -88,7 +88,7 @@ win) over its own and the release's podLabels; its own and the release's annotat
 {{- define "atoll.podMetadata" -}}
 labels:
   {{- toYaml (merge (dict) .labels (.spec.podLabels | default dict) .root.Values.podLabels) | nindent 2 }}
-{{- with merge (dict) (.spec.podAnnotations | default dict) .root.Values.podAnnotations }}
+{{- with merge (dict) (.spec.podAnnotations | default dict) .root.Values.podAnnotations (.annotations | default dict) }}
 annotations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -143,13 +143,28 @@ capabilities: {drop: [ALL]}
 {{- end -}}
 
 {{/* The labels every atoll series carries, whatever the Prometheus: `job` as the alert rules
-and dashboards name it (atoll-synchronizer, atoll-learner), `slot` (the pod's name: stable
-across a learner's restarts, as a StatefulSet keeps it) and `region`. */}}
+and dashboards name a role's targets (atoll-synchronizer, atoll-learner), `atoll_job` (the
+training job, which the rules group by and the dashboard's `job` variable selects), `slot`
+(the pod's name: stable across a learner's restarts, as a StatefulSet keeps it) and
+`region`. Called with (dict "job" ROLE-JOB "atollJob" .Values.job.name). */}}
 {{- define "atoll.scrapeLabels" -}}
 - targetLabel: job
-  replacement: {{ . }}
+  replacement: {{ .job }}
+- targetLabel: atoll_job
+  replacement: {{ .atollJob | quote }}
 - sourceLabels: [__meta_kubernetes_pod_name]
   targetLabel: slot
 - sourceLabels: [__meta_kubernetes_pod_label_atoll_dev_region]
   targetLabel: region
+{{- end -}}
+
+
+{{/* A Prometheus without the operator finds the pods by these (monitoring.scrapeAnnotations).
+Called with (dict "root" $ "port" METRICS-PORT). */}}
+{{- define "atoll.scrapeAnnotations" -}}
+{{- if .root.Values.monitoring.scrapeAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end }}
 {{- end -}}
