@@ -156,8 +156,26 @@ class JobConfig(BaseModel):
         gt=1.0,
         description="an update whose L2 norm exceeds this many times the median norm of the "
         "other learners' last updates of its fragment, each scaled to the update's inner "
-        "steps (square root for fewer, linear for more, at most 8x), is refused (with none "
-        "yet: this many times the fragment's own norm)",
+        "steps (square root for fewer, linear for more, at most 8x), or the fragment's own "
+        "norm if larger, is refused (with none yet: this many times the fragment's own norm); "
+        "one within it is scaled down by --clip-norm-ratio",
+    )
+    clip_norm_ratio: float = Field(
+        3.0,
+        gt=1.0,
+        description="an update whose L2 norm exceeds this many times the median norm of the "
+        "other learner slots' last accepted updates of its fragment (each scaled to the "
+        "update's inner steps; kept in Redis, so a new owner inherits them) is scaled down to "
+        "that norm before it merges, not refused; colluding slots short of a majority of "
+        "those with history cannot move the median",
+    )
+    warmup_update_rms: float = Field(
+        0.05,
+        gt=0.0,
+        description="with no other slot's accepted update of a fragment to measure against "
+        "(its first, or a slot alone on it), an update is scaled down to at most this root "
+        "mean square per value before it merges (raise it for a job of one learner whose "
+        "outer gradients are larger)",
     )
     max_weight_share: float = Field(
         2.0,

@@ -171,6 +171,19 @@ class Ingest:
                 epoch=owner.epoch,
                 status=session_pb2.ACK_STATUS_ALREADY_INITIALIZED,
             )
+        if not await self.store.is_live(first.learner_id):
+            # Only live learners merge: a round's step is scaled by the live learners it
+            # stands for, so an update from a slot nobody counts would take a step alone.
+            return await self._refuse(
+                first,
+                Rejection(
+                    "not_live",
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"learner slot {first.learner_id[:64]!r} has no live session: updates "
+                    "count only from a learner whose Session said hello and keeps its "
+                    "heartbeats; open the session (or wait for it to reconnect) and resend",
+                ),
+            )
         if first.parts > 1:
             return await self._in_parts(owner, codec, arrived, rest)
         if first.kind == session_pb2.UPDATE_KIND_INITIAL:

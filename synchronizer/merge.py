@@ -86,6 +86,9 @@ class Accumulator:
     compiled_moves: ClassVar[bool] = True
     # Whether chunks of one range are summed several at once (`ready_encoded`, `add_many`).
     sums_together: ClassVar[bool] = True
+    # Whether an update is clipped by scaling its values in the sum (the mean rule); else by
+    # scaling the norms it is counted with (`counted`), its direction kept (radial).
+    clips_values: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.total = np.zeros(self.size, np.float32)
@@ -203,6 +206,7 @@ class RadialAccumulator(Accumulator):
     direction_norms: np.ndarray = field(init=False)
     compiled_moves: ClassVar[bool] = False  # each tensor's part is scaled by its own factor
     sums_together: ClassVar[bool] = False
+    clips_values: ClassVar[bool] = False  # a unit vector per tensor: its norms are clipped
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -483,3 +483,34 @@ def test_chunks_summed_together_leave_what_summing_one_after_another_leaves(
         ]
     one.close()
     many.close()
+
+
+def test_an_update_over_the_clip_bound_merges_scaled_down_and_its_clipped_norm_is_kept(
+    tmp_path: Path,
+) -> None:
+    """Measured against the other slot's last accepted norm (1.0, 10 steps), an update of
+    norm 10 over as many steps is scaled to 3 (--clip-norm-ratio), not refused: its sum holds
+    0.3 of its values, and the norm it leaves for the next updates is the clipped one."""
+    size = 1000
+    owner = _owner(tmp_path, size)
+    codec = codecs.by_name("fp32")
+    x = np.random.default_rng(6).normal(size=size).astype(np.float32)
+    x *= np.float32(10.0 / np.linalg.norm(x.astype(np.float64)))
+    owner.norms.set("honest", 1.0, 10)
+    assert owner.clip_bound("evil", 10) == 3.0
+    assert owner.clip_bound("honest", 10) == 0.05 * math.sqrt(size)  # alone: the warm-up bound
+    big = Update("evil", "i", 1, 0, 10, 100, 1.0, 2.0, (10.0,), codec, 0, owner.current)
+    owner.open.stream(big)
+    for s in codecs.encode_segments(codec, x, 0, 400)[0]:
+        owner._add(big, s.offset, s.count, s.data)
+
+    async def recorded(update: Update, checksum: int, record: object) -> tuple[str, int]:
+        return "received", 1
+
+    owner._record = recorded  # type: ignore[method-assign]
+    assert asyncio.run(owner.receive(big, 0)) == ("received", 1)
+    assert math.isclose(big.clip, 0.3, rel_tol=1e-6)
+    np.testing.assert_allclose(owner.current.total, 2.0 * 0.3 * x, rtol=1e-5, atol=1e-6)
+    assert owner.current.weight == 2.0  # its weight is its own: only its values shrank
+    assert math.isclose(owner.norms["evil"], 3.0, rel_tol=1e-5)
+    owner.close()

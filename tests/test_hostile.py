@@ -1390,3 +1390,45 @@ def test_radial_merging_refuses_norms_that_are_not_the_updates_own(
         wait_until(lambda: support.version(r, 0) == 1, what="the honest radial round")
     finally:
         c0.close()
+
+
+# --- only live learners merge ---------------------------------------------------------------
+def fp32_update(
+    fragment: int, values: np.ndarray, seq: int, learner: str, **kw: Any
+) -> list[session_pb2.UpdateChunk]:
+    """An fp32 update of `values` from `learner`, in chunks of 512 values."""
+    segments = [
+        codecs.Segment(a, min(values.size, a + 512) - a, values[a : a + 512].tobytes())
+        for a in range(0, values.size, 512)
+    ]
+    return support.chunks_for(
+        fragment, segments, num_elements=values.size, seq=seq, learner=learner, **FP32, **kw
+    )
+
+
+def test_an_update_from_a_slot_without_a_live_session_is_refused(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    # The issue's attack: a slot with a valid credential and no session reads fragment 0
+    # (FetchState needs no session) and sends its owner 0.99 times it. It merged alone at a
+    # full step (a slot nobody counts as live made a round of one): the fragment's norm fell
+    # to 1% of itself. Now it is refused before a byte of it is summed.
+    _, c, r = job
+    theta = fetch_values(c, 0)
+    state = fetch(
+        owner_address(c, 0),
+        synchronizer_pb2.FetchStateRequest(job="default", fragments=[0]),
+        bearer("evil"),
+    )
+    assert state, "an authorized slot may read the model"
+    v = support.version(r, 0)
+    chunks = fp32_update(0, 0.99 * theta, 1, "evil", base_version=v, incarnation="x")
+    before = snapshot(r)
+    ack = ingest(owner_address(c, 0), chunks, bearer("evil"))
+    assert ack.status == session_pb2.ACK_STATUS_REJECTED, ack
+    assert ack.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert "no live session" in ack.reason, ack.reason
+    time.sleep(0.5)
+    assert snapshot(r) == before
+    assert np.array_equal(fetch_values(c, 0), theta)
+    still_merges(c, r)
