@@ -343,9 +343,7 @@ def measure_ingest(
             assert redis_server.process is not None
             servers = {"replica": sync.pid, "redis": redis_server.process.pid}
             parts = [
-                Client(
-                    "ingest", i, owner, static, payload_bytes, sync.address, n, redis_server.url
-                )
+                Client("ingest", i, owner, static, payload_bytes, sync.address, n, redis_server.url)
                 for i in range(clients)
             ]
             return _run_clients(parts, seconds, servers)

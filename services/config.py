@@ -333,13 +333,17 @@ class SynchronizerSettings(JobConfig, AtollSettings):
         "probes that cannot speak TLS, as the kubelet's); empty: none",
     )
     hello_timeout_s: float = Field(
-        10.0, gt=0.0, description="a session that sends no hello within this long is closed"
+        10.0,
+        gt=0.0,
+        description="a session that sends no hello, or an Ingest call that sends no first "
+        "chunk, within this long is closed (DEADLINE_EXCEEDED)",
     )
     max_ingest_per_slot: int = Field(
         8,
         ge=1,
         description="Ingest calls one learner slot may have in flight at once (a learner of "
-        "several processes: each process)",
+        "several processes: each process), counted from each call's start (before its first "
+        "chunk: per caller, by its credential)",
     )
     parts_timeout_s: float = Field(
         60.0,

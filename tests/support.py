@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Sequence
 
@@ -23,7 +24,12 @@ def layout(fragments: int) -> FragmentLayout:
     return fragment_layout(SPECS, fragments)
 
 
-def client(addresses: Sequence[str], learner_id: str, **kw: object) -> SynchronizerClient:
+def client(
+    addresses: Sequence[str], learner_id: str, *, heartbeat_s: float | None = 1.0, **kw: object
+) -> SynchronizerClient:
+    """A connected session for `learner_id`, which heartbeats every `heartbeat_s` as a
+    training learner does (None: never, its lease lapses): only live learners' updates
+    merge."""
     c = SynchronizerClient(
         list(addresses),
         job="default",
@@ -34,7 +40,14 @@ def client(addresses: Sequence[str], learner_id: str, **kw: object) -> Synchroni
         **{"give_up_s": 60.0, **kw},  # type: ignore[arg-type]  # a test fails, not hangs
     )
     c.connect()
+    if heartbeat_s is not None:
+        threading.Thread(target=_heartbeats, args=(c, heartbeat_s), daemon=True).start()
     return c
+
+
+def _heartbeats(c: SynchronizerClient, every_s: float) -> None:
+    while not c.wait_closed(every_s):
+        c.heartbeat(step=c.step, step_time_ema_s=0.0, tokens_per_s=0.0, loss=0.0, eval_loss=0.0)
 
 
 def initial_params(seed: int = 0) -> dict[str, np.ndarray]:

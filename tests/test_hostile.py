@@ -40,7 +40,13 @@ from tests import support
 from tests.conftest import SpawnSynchronizer
 
 SERVICE = "/atoll.v1.Synchronizer/"
-TOKENS = {"l0": "token-of-l0", "l1": "token-of-l1", "evil": "token-of-evil"}
+TOKENS = {
+    "l0": "token-of-l0",
+    "l1": "token-of-l1",
+    "l2": "token-of-l2",
+    "evil": "token-of-evil",
+    "evil2": "token-of-evil2",
+}
 P = 2
 N0 = support.layout(P).fragments[0].num_elements
 INT8: dict[str, Any] = {"codec": fragment_pb2.CODEC_INT8, "block_size": 256}
@@ -991,7 +997,8 @@ def test_a_state_fetch_asking_every_fragment_many_times_is_refused(
 def test_a_slot_has_a_bounded_number_of_ingest_calls_in_flight(
     job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
 ) -> None:
-    _, c, r = job
+    sync, c, r = job
+    l1 = support.client([sync.address], "l1", token=TOKENS["l1"])  # only live slots merge
     before = snapshot(r)
     half = N0 // 2
     zeros = np.zeros(N0, np.float32).tobytes()
@@ -1020,7 +1027,8 @@ def test_a_slot_has_a_bounded_number_of_ingest_calls_in_flight(
         release.set()
         for future in held:  # each ends incomplete: refused, nothing kept
             assert future.result().status == session_pb2.ACK_STATUS_REJECTED
-    assert snapshot(r) == before
+    l1.close()
+    assert snapshot(r)[:4] == before[:4]  # versions, values, pending, spec (l1 is live)
     still_merges(c, r)
 
 
@@ -1431,4 +1439,166 @@ def test_an_update_from_a_slot_without_a_live_session_is_refused(
     time.sleep(0.5)
     assert snapshot(r) == before
     assert np.array_equal(fetch_values(c, 0), theta)
+    still_merges(c, r)
+
+
+# --- robust merging -------------------------------------------------------------------------
+def merged(r: redis.Redis, fragment: int, version: int) -> dict[str, Any]:
+    """The commit log entry of `version` (waited for)."""
+    wait_until(lambda: support.version(r, fragment) >= version, what=f"version {version}")
+    entry = next(e for e in support.commit_log(r, fragment) if e["version"] == version)
+    return dict(entry)
+
+
+def honest_rounds(c: SynchronizerClient, r: redis.Redis, count: int, seed: int) -> float:
+    """`count` honest updates of fragment 0 from `c`, each merged; the norm of the last."""
+    norm = 0.0
+    for k in range(count):
+        v = support.version(r, 0)
+        values = np.random.default_rng(seed + k).normal(scale=0.01, size=N0).astype(np.float32)
+        chunks = fp32_update(0, values, seed + k, c.learner_id, base_version=v)
+        for chunk in chunks:
+            chunk.incarnation = c.incarnation
+        assert c.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
+        merged(r, 0, v + 1)
+        norm = float(np.linalg.norm(values))
+    return norm
+
+
+def test_a_slot_with_a_session_cannot_replace_a_fragment_even_after_an_owner_change(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    # The issue's attack with a live session: evil sends 0.99 times fragment 0 as its
+    # outer gradient. The bar never fell below the fragment's own norm, so it merged whole
+    # (the norm fell from 31.6 to 0.37); after an owner change the new owner's bar was 10x
+    # the fragment's. Now it merges scaled to 3x the honest slot's last norm, and a new owner
+    # reads that history from Redis (ten times the fragment is refused by either owner).
+    flags = ["--fragments", str(P), "--grace-seconds", "0"]
+    flags += ["--learner-tokens-file", str(tokens_file(tmp_path))]
+    first = spawn_synchronizer(*flags, replica="sync-a")
+    port = int(first.address.rpartition(":")[2])
+    c0, evil = (support.client([first.address], s, token=TOKENS[s]) for s in ("l0", "evil"))
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c0, P)
+        honest = honest_rounds(c0, r, 3, seed=50)
+        for attempt in range(2):
+            theta = fetch_values(c0, 0)
+            v = support.version(r, 0)
+            if attempt == 1:  # ten times the fragment: over the hard bound, refused
+                chunks = fp32_update(0, 10 * theta, 69, "evil", base_version=v)
+                for chunk in chunks:
+                    chunk.incarnation = evil.incarnation
+                ack = evil.ingest_raw(chunks)
+                assert ack.status == session_pb2.ACK_STATUS_REJECTED, ack
+                assert "L2 norm" in ack.reason, ack.reason
+            bad = (0.99 * theta).astype(np.float32)
+            chunks = fp32_update(0, bad, 70 + attempt, "evil", base_version=v)
+            for chunk in chunks:
+                chunk.incarnation = evil.incarnation
+            assert evil.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
+            entry = merged(r, 0, v + 1)
+            clip = dict(zip(entry["learners"], entry["clips"], strict=True))["evil"]
+            # Measured against l0's history (the new owner's too), not the warm-up bound.
+            bound = 3.0 * honest
+            assert clip == pytest.approx(bound / float(np.linalg.norm(bad)), rel=1e-3)
+            after = fetch_values(c0, 0)
+            moved = float(np.linalg.norm(after - theta))
+            assert moved <= 2 * bound, (moved, bound)  # lr x momentum x scale 1/2
+            cosine = float(after @ theta) / float(np.linalg.norm(after) * np.linalg.norm(theta))
+            assert cosine > 0.999
+            assert np.isfinite(after).all()
+            if attempt == 0:  # the owner changes: a replica of another name takes the job
+                first.stop()
+                spawn_synchronizer(*flags, replica="sync-b", port=port)
+                wait_until(
+                    lambda: (r.get(support.KEYS.owner(0)) or b"").startswith(b"sync-b"),
+                    what="the new owner",
+                )
+        still_merges(c0, r)
+    finally:
+        c0.close()
+        evil.close()
+
+
+def test_colluders_short_of_a_majority_cannot_ratchet_the_bound(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    # Two colluding slots against three honest ones, each update three times the last: their
+    # bars once followed each other's accepted updates (32 to 2.4e3 in 9 updates). Now each
+    # merges clipped to 3x the median of the others' clipped norms, which the honest
+    # majority holds: the colluders' history never passes 3x the honest norm.
+    slots = ("l0", "l1", "l2", "evil", "evil2")
+    clients = token_holders(tmp_path, spawn_synchronizer, slots)
+    honest, colluders = clients[:3], clients[3:]
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(honest[0], P)
+        norms = [honest_rounds(c, r, 1, seed=80 + i) for i, c in enumerate(honest)]
+        size = float(np.linalg.norm(fetch_values(honest[0], 0)))
+        values = np.random.default_rng(9).normal(scale=0.01, size=N0).astype(np.float32)
+        accepted = 0
+        for k in range(9):
+            for c in colluders:
+                v = support.version(r, 0)
+                chunks = fp32_update(0, values * 3.0 ** (k + 1), 100 + k, c.learner_id)
+                for chunk in chunks:
+                    chunk.incarnation, chunk.base_version = c.incarnation, v
+                ack = c.ingest_raw(chunks)
+                if ack.status == session_pb2.ACK_STATUS_RECEIVED:
+                    merged(r, 0, v + 1)
+                    accepted += 1
+                else:  # past the fragment's own size: refused outright
+                    assert "L2 norm" in ack.reason, ack.reason
+            history = {
+                slot.decode(): float(entry.split()[0])
+                for slot, entry in r.hgetall(support.KEYS.norms(0)).items()
+            }
+            for c in colluders:
+                assert history[c.learner_id] <= 3.0 * max(norms) * (1 + 1e-6), (k, history)
+        assert accepted >= 6  # clipped, not refused, while under the fragment's size
+        after = fetch_values(honest[0], 0)
+        assert np.isfinite(after).all()
+        assert abs(float(np.linalg.norm(after)) - size) <= 0.1 * size
+        honest_rounds(honest[1], r, 1, seed=90)  # the honest keep merging
+    finally:
+        for c in clients:
+            c.close()
+
+
+# --- bounded work -----------------------------------------------------------------------------
+def test_ingest_calls_that_never_send_a_chunk_are_counted_and_ended_at_their_deadline(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    # 300 Ingest calls that never sent a first chunk stayed open: no deadline, and not
+    # counted for their slot until a chunk named it. Now they count from their start, by
+    # the caller's credential, and end after --hello-timeout-s (1 s here).
+    _, c, r = job
+    release = threading.Event()
+
+    def silent() -> Iterator[session_pb2.UpdateChunk]:
+        release.wait(30)
+        return
+        yield
+
+    try:
+        with grpc.insecure_channel(owner_address(c, 0)) as channel:
+            call = channel.stream_unary(
+                SERVICE + "Ingest",
+                request_serializer=session_pb2.UpdateChunk.SerializeToString,
+                response_deserializer=session_pb2.Ack.FromString,
+            )
+            started = time.monotonic()
+            held = [call.future(silent(), metadata=bearer("evil"), timeout=30) for _ in range(9)]
+            codes = []
+            for future in held:
+                with pytest.raises(grpc.RpcError) as err:
+                    future.result()
+                codes.append(err.value.code())
+            assert time.monotonic() - started < 10
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
+        assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+        assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) == 8, codes
+    finally:
+        release.set()
     still_merges(c, r)
