@@ -160,6 +160,13 @@ class JobConfig(BaseModel):
         "norm if larger, is refused (with none yet: this many times the fragment's own norm); "
         "one within it is scaled down by --clip-norm-ratio",
     )
+    initializer: str = Field(
+        "",
+        description="the learner slot whose hello fixes the job's model spec and whose "
+        "first values initialize it (atoll up: learner-0; the chart: the first pool's pod 0); "
+        "other slots wait for them. Empty: the first authenticated hello (any authorized slot "
+        "may then fix the spec and first values: set it, or --init-from)",
+    )
     clip_norm_ratio: float = Field(
         3.0,
         gt=1.0,
@@ -337,6 +344,13 @@ class SynchronizerSettings(JobConfig, AtollSettings):
         gt=0.0,
         description="a session that sends no hello, or an Ingest call that sends no first "
         "chunk, within this long is closed (DEADLINE_EXCEEDED)",
+    )
+    pool_size: int = Field(
+        0,
+        ge=0,
+        description="the most live sessions one pool credential (a certificate naming slots "
+        "by a prefix, URI SAN learner:PREFIX*) may hold at once: the pool's replicas (the "
+        "chart sets its largest pool's); 0: no cap",
     )
     max_ingest_per_slot: int = Field(
         8,

@@ -219,6 +219,21 @@ class Ingest:
                     "heartbeats; open the session (or wait for it to reconnect) and resend",
                 ),
             )
+        initializer = self.config.initializer
+        if first.kind == session_pb2.UPDATE_KIND_INITIAL and initializer not in (
+            "",
+            first.learner_id,
+        ):
+            return await self._refuse(
+                first,
+                Rejection(
+                    "bad_request",
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"a fragment's first values come from the job's initializer slot "
+                    f"{initializer[:64]!r} (--initializer), not from {first.learner_id[:64]!r}; "
+                    "wait for them",
+                ),
+            )
         if first.parts > 1:
             return await self._in_parts(owner, codec, arrived, rest)
         if first.kind == session_pb2.UPDATE_KIND_INITIAL:

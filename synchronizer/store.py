@@ -199,7 +199,10 @@ class ControlStore:
         ttl_s: float,
         step: int,
         initialized: bool,
+        pool: tuple[str, int] = ("", 0),
     ) -> Hello:
+        """A learner's hello (`lua/hello.lua`). `pool`: the slot prefix its credential names
+        and the most sessions that credential may hold at once (0: no cap)."""
         k = self.keys
         reply = await self._run(
             "hello",
@@ -212,6 +215,8 @@ class ControlStore:
                 step,
                 int(INIT_CLAIM_S * 1000),
                 int(initialized),
+                pool[0],
+                pool[1],
             ],
         )
         if _s(reply[0]) != "ok":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import redis
@@ -41,13 +42,29 @@ def client(
     )
     c.connect()
     if heartbeat_s is not None:
-        threading.Thread(target=_heartbeats, args=(c, heartbeat_s), daemon=True).start()
+        _heartbeats(c, heartbeat_s)
     return c
 
 
 def _heartbeats(c: SynchronizerClient, every_s: float) -> None:
-    while not c.wait_closed(every_s):
-        c.heartbeat(step=c.step, step_time_ema_s=0.0, tokens_per_s=0.0, loss=0.0, eval_loss=0.0)
+    """Send `c`'s last heartbeat again every `every_s` until it closes, as a training
+    learner's steps do: a test's own heartbeats (a step, finishing) stand until its next."""
+    last: dict[str, Any] = {
+        "step": 0, "step_time_ema_s": 0.0, "tokens_per_s": 0.0, "loss": 0.0, "eval_loss": 0.0
+    }  # fmt: skip
+    send = c.heartbeat
+
+    def heartbeat(**fields: Any) -> None:
+        last.clear()
+        last.update(fields)
+        send(**fields)
+
+    def again() -> None:
+        while not c.wait_closed(every_s):
+            send(**last)
+
+    c.heartbeat = heartbeat  # type: ignore[method-assign]
+    threading.Thread(target=again, daemon=True).start()
 
 
 def initial_params(seed: int = 0) -> dict[str, np.ndarray]:
