@@ -1723,3 +1723,33 @@ def test_a_pool_certificate_opens_at_most_the_pools_size_of_sessions(
             m.close()
         c.close()
         sync.stop()
+
+
+def test_connections_that_never_start_a_tls_handshake_are_closed_at_its_deadline(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # 150 TCP connections that never started a TLS handshake stayed open (gRPC's default
+    # deadline is 120 s). A replica closes them after HANDSHAKE_TIMEOUT_S (10 s).
+    files = tls.generate(tmp_path / "tls", ["l0"])
+    sync = tls_synchronizer(tmp_path, redis_server, files)
+    host, _, port = sync.address.rpartition(":")
+    sockets = [socket.create_connection((host, int(port)), timeout=5) for _ in range(20)]
+    try:
+        started = time.monotonic()
+        for s in sockets:
+            s.settimeout(max(1.0, 30 - (time.monotonic() - started)))
+            with contextlib.suppress(ConnectionResetError):  # closed by the replica
+                assert s.recv(1) == b""
+        assert 5 < time.monotonic() - started < 25
+        c = support.client(
+            [sync.address], "l0", credentials=tls.channel_credentials(files.ca, *files.client("l0"))
+        )
+        try:
+            support.initialize(c, P)
+            still_merges(c, redis.Redis(port=redis_server.port))
+        finally:
+            c.close()
+    finally:
+        for s in sockets:
+            s.close()
+        sync.stop()
