@@ -209,8 +209,10 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             raise
         CALLER.set(identity)
         # Counted per connection: learners sharing one credential (a pool's certificate, the
-        # job's token) do not share one limit.
-        key = (f"{identity.name} {context.peer()}", name)
+        # job's token) do not share one limit. State fetches of a credential of one slot are
+        # counted per slot, whatever connections they come on (10 connections once ran 20).
+        slot = identity.only_slot if name == "FetchState" else None
+        key = (slot or f"{identity.name} {context.peer()}", name)
         limit = self.limits.get(name)
         if limit is not None and self.in_flight[key] >= limit:
             await context.abort(
