@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from services import tls
-from synchronizer.auth import AuthError, Authenticator, Identity, load_tokens, token_digest
+from synchronizer.auth import Authenticator, AuthError, Identity, load_tokens, token_digest
 
 
 def test_a_certificate_names_its_slots_and_a_pool_pattern_its_prefix(tmp_path: Path) -> None:
