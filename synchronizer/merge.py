@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -57,6 +58,16 @@ def partial_round_scale(contributors: int, live_learners: int) -> float:
     if contributors <= 0:
         return 0.0
     return min(1.0, contributors / max(1, live_learners))
+
+
+def live_round_scale(members: AbstractSet[str], live: AbstractSet[str] | None) -> float:
+    """A round's step as a share of a full one: its member slots over the live learners it
+    stands for (`partial_round_scale`), its members counted among them (each was live when
+    admitted; one that left since still takes only its share). None: full rounds. Never a
+    full step for a member beside live learners outside the round."""
+    if live is None:
+        return 1.0
+    return partial_round_scale(len(members), len(live | members))
 
 
 def tensor_norms(values: np.ndarray, segments: Sequence[int]) -> list[float]:

@@ -39,7 +39,7 @@ from synchronizer.merge import (
     Accumulator,
     OuterOptimizer,
     capped_weights,
-    partial_round_scale,
+    live_round_scale,
     staleness_weight,
     token_weight,
 )
@@ -923,7 +923,7 @@ class FragmentOwner:
 
     async def merge(self, live_learners: frozenset[str] | None) -> None:
         """Seal the open round and commit it. `live_learners`: the slots with a live session
-        now, which scale its step (`partial_round_scale`); None: a full step."""
+        now, which scale its step (`live_round_scale`); None: a full step."""
         self.merging = True
         started = time.monotonic()
         # A round is ready once its last update is in, or its grace window ends (the last
@@ -1009,14 +1009,7 @@ class FragmentOwner:
         assert self.version is not None
         started = time.monotonic()
         learners = {u.learner for u in updates}
-        # Each member was live when it was admitted (`ingest`); one whose session ended
-        # since still counts among the learners its round stands for, so an update never
-        # takes a bigger step than its share of the learners live then.
-        scale = (
-            1.0
-            if live_learners is None
-            else partial_round_scale(len(learners), len(live_learners | learners))
-        )
+        scale = live_round_scale(learners, live_learners)
         claimed = {u: u.weight for u in updates if u.provisional}
         phases = _Phases()
         if claimed:
