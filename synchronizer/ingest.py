@@ -206,7 +206,20 @@ class Ingest:
                 epoch=owner.epoch,
                 status=session_pb2.ACK_STATUS_ALREADY_INITIALIZED,
             )
-        if not await self.store.is_live(first.learner_id):
+        try:
+            live = await self.store.is_live(first.learner_id)
+        except Exception as err:  # Redis away: the learner sends it again
+            log.warning("liveness_unknown", error=repr(err))
+            return await self._refuse(
+                first,
+                Rejection(
+                    "bad_request",
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the synchronizer cannot reach its control store to see that the slot's "
+                    "session is live; resend later",
+                ),
+            )
+        if not live:
             # Only live learners merge: a round's step is scaled by the live learners it
             # stands for, so an update from a slot nobody counts would take a step alone.
             return await self._refuse(
