@@ -249,6 +249,8 @@ class LocalCluster:
         job = self.s.model_copy(update={"job_steps": self.job_steps})
         if job.mode == "sync" and job.quorum < job.learners:  # classic DiLoCo: all M learners
             job = job.model_copy(update={"quorum": job.learners})
+        if not job.initializer:  # the operator's slot fixes the spec and first values
+            job = job.model_copy(update={"initializer": "learner-0"})
         job_args = flags(job, JobConfig.model_fields)
         tape_args = ["--tape", str(self.s.tape)] if self.s.tape is not None else []
         self.tape.write(

@@ -333,6 +333,10 @@ class SynchronizerClient:
         with self._lock:
             self._finish(ack)
 
+    def wait_closed(self, timeout: float) -> bool:
+        """Whether the client was closed, waiting at most `timeout` seconds for it."""
+        return self._closed.wait(timeout)
+
     def close(self) -> None:
         self._closed.set()
         with self._lock:

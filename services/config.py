@@ -163,8 +163,33 @@ class JobConfig(BaseModel):
         gt=1.0,
         description="an update whose L2 norm exceeds this many times the median norm of the "
         "other learners' last updates of its fragment, each scaled to the update's inner "
-        "steps (square root for fewer, linear for more, at most 8x), is refused (with none "
-        "yet: this many times the fragment's own norm)",
+        "steps (square root for fewer, linear for more, at most 8x), or the fragment's own "
+        "norm if larger, is refused (with none yet: this many times the fragment's own norm); "
+        "one within it is scaled down by --clip-norm-ratio",
+    )
+    initializer: str = Field(
+        "",
+        description="the learner slot whose hello fixes the job's model spec and whose "
+        "first values initialize it (atoll up: learner-0; the chart: the first pool's pod 0); "
+        "other slots wait for them. Empty: the first authenticated hello (any authorized slot "
+        "may then fix the spec and first values: set it, or --init-from)",
+    )
+    clip_norm_ratio: float = Field(
+        3.0,
+        gt=1.0,
+        description="an update whose L2 norm exceeds this many times the median norm of the "
+        "other learner slots' last accepted updates of its fragment (each scaled to the "
+        "update's inner steps; kept in Redis, so a new owner inherits them) is scaled down to "
+        "that norm before it merges, not refused; colluding slots short of a majority of "
+        "those with history cannot move the median",
+    )
+    warmup_update_rms: float = Field(
+        0.05,
+        gt=0.0,
+        description="with no other slot's accepted update of a fragment to measure against "
+        "(its first, or a slot alone on it), an update is scaled down to at most this root "
+        "mean square per value before it merges (raise it for a job of one learner whose "
+        "outer gradients are larger)",
     )
     max_weight_share: float = Field(
         2.0,
@@ -322,13 +347,24 @@ class SynchronizerSettings(JobConfig, AtollSettings):
         "probes that cannot speak TLS, as the kubelet's); empty: none",
     )
     hello_timeout_s: float = Field(
-        10.0, gt=0.0, description="a session that sends no hello within this long is closed"
+        10.0,
+        gt=0.0,
+        description="a session that sends no hello, or an Ingest call that sends no first "
+        "chunk, within this long is closed (DEADLINE_EXCEEDED)",
+    )
+    pool_size: int = Field(
+        0,
+        ge=0,
+        description="the most live sessions one pool credential (a certificate naming slots "
+        "by a prefix, URI SAN learner:PREFIX*) may hold at once: the pool's replicas (the "
+        "chart sets its largest pool's); 0: no cap",
     )
     max_ingest_per_slot: int = Field(
         8,
         ge=1,
         description="Ingest calls one learner slot may have in flight at once (a learner of "
-        "several processes: each process)",
+        "several processes: each process), counted from each call's start (before its first "
+        "chunk: per caller, by its credential)",
     )
     parts_timeout_s: float = Field(
         60.0,

@@ -28,6 +28,9 @@ _COMMON: list[tuple[str, int]] = [
 # Streams one connection may have open at once: a learner needs a session, an Ingest call
 # and a state fetch or two; what one connection can hold in flight is this times a message.
 MAX_STREAMS_PER_CONNECTION = 100
+# A connection that has not finished its TLS handshake this long after it opened is closed
+# (gRPC's default is 120 s: 150 connections that never started one stayed open).
+HANDSHAKE_TIMEOUT_S = 10
 
 
 def server_options() -> list[tuple[str, int]]:
@@ -35,6 +38,7 @@ def server_options() -> list[tuple[str, int]]:
         *_COMMON,
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_S * 1000),
     ]
 
 

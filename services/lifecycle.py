@@ -53,6 +53,19 @@ MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest allowed value
 TRIM_THRESHOLD_BYTES = 512 << 20
 
 
+def give_back_free_memory() -> bool:
+    """Return the heap's free memory to the system now (glibc's malloc_trim): what
+    `reuse_large_buffers` keeps for reuse, where a burst of work nobody should pay for (a
+    flood of unauthenticated requests) left it. False off glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))
+
+
 def reuse_large_buffers() -> bool:
     """Keep MiB-sized buffers on the heap, and freed heap memory for reuse (glibc only).
 

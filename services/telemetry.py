@@ -46,6 +46,7 @@ REJECT_REASONS = (
     "stale",
     "bad_request",
     "norm",
+    "not_live",
 )
 BADPUT_SOURCES = ("startup", "compile", "waiting", "recovery", "lost")
 

@@ -105,12 +105,27 @@ def codec_refusal(err: codecs.CodecError) -> Rejection:
     return _invalid("non_finite" if "NaN" in str(err) else "bad_codec", str(err))
 
 
+# The largest magnitude a first value may have: a model's initial parameters are of order 1
+# (a LayerNorm's scale, an embedding's entries); values of 3e38 once initialized a job.
+MAX_INITIAL_ABS = 1e4
+
+
 def initial_values(data: codecs.Payload, count: int) -> np.ndarray:
-    """A chunk of a fragment's first values (fp32), or its refusal."""
+    """A chunk of a fragment's first values (fp32), checked finite and at most
+    MAX_INITIAL_ABS in magnitude, or its refusal."""
     try:
-        return codecs.by_name("fp32").decode(data, count, 0)
+        values = codecs.by_name("fp32").decode(data, count, 0)
     except codecs.CodecError as err:
         raise codec_refusal(err) from None
+    if not np.isfinite(values).all():
+        raise _invalid("non_finite", "first values hold NaN or Inf; send the model's own")
+    if values.size and float(np.abs(values).max()) > MAX_INITIAL_ABS:
+        raise _invalid(
+            "bad_request",
+            f"first values up to {float(np.abs(values).max()):.3g} in magnitude, over "
+            f"{MAX_INITIAL_ABS:g}: not a model's initial parameters; send the model's own",
+        )
+    return values
 
 
 def _continues(chunk: session_pb2.UpdateChunk, first: session_pb2.UpdateChunk) -> bool:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 from pathlib import Path
 
+import grpc
 import pytest
 
 from services import tls
-from synchronizer.auth import Identity, load_tokens, token_digest
+from synchronizer.auth import Authenticator, AuthError, Identity, load_tokens, token_digest
 
 
 def test_a_certificate_names_its_slots_and_a_pool_pattern_its_prefix(tmp_path: Path) -> None:
@@ -32,3 +35,43 @@ def test_the_tokens_file_holds_digests_and_refuses_anything_else(tmp_path: Path)
     path.write_text("l0 not-hex\n")
     with pytest.raises(ValueError, match=":1: expected"):
         load_tokens(path)
+
+
+class _Context:
+    """What the interceptor reads of a call: its peer; abort raises."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise AuthError(code, details)
+
+
+def test_a_slots_state_fetches_are_counted_per_slot_whatever_its_connections() -> None:
+    auth = Authenticator(
+        "atoll.v1.Synchronizer",
+        mtls=False,
+        tokens={"l0": hashlib.sha256(b"t0").digest()},
+        shared_token="shared",
+        anonymous=False,
+    )
+    slot = (("authorization", "Bearer t0"),)
+    shared = (("authorization", "Bearer shared"),)
+
+    async def run() -> None:
+        for peer in ("ipv4:10.0.0.1:1", "ipv4:10.0.0.1:2"):
+            await auth._enter("FetchState", slot, _Context(peer))
+        with pytest.raises(AuthError) as err:
+            await auth._enter("FetchState", slot, _Context("ipv4:10.0.0.1:3"))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # The job's shared token speaks for any slot: counted per connection, as before.
+        for peer in ("ipv4:10.0.0.2:1", "ipv4:10.0.0.2:1", "ipv4:10.0.0.2:2"):
+            await auth._enter("FetchState", shared, _Context(peer))
+
+    asyncio.run(run())

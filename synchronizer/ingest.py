@@ -8,6 +8,7 @@ again if anything fails.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections import Counter
@@ -37,6 +38,7 @@ from synchronizer.owner import FragmentOwner, NormTooLarge
 from synchronizer.ownership import Ownership
 from synchronizer.parts import Gathering, Parts, Summing, begin_update, combined_checksum
 from synchronizer.store import ControlStore
+from synchronizer.worker import WorkerShutDown
 
 log = structlog.get_logger("atoll.synchronizer.ingest")
 
@@ -97,11 +99,13 @@ class Ingest:
         max_per_slot: int = 8,
         parts_timeout_s: float = 60.0,
         downlink_caught_up: Callable[[], Awaitable[float]] | None = None,
+        first_chunk_timeout_s: float = 10.0,
     ) -> None:
         self.config, self.store, self.ownership, self._layout = config, store, ownership, layout
         # Waits while the replica's learners are behind on global fragments (Sessions).
         self.downlink_caught_up = downlink_caught_up
         self.max_per_slot = max_per_slot
+        self.first_chunk_timeout_s = first_chunk_timeout_s
         # Ingest calls per learner slot (and, for a learner of several processes, per part)
         self.in_flight: Counter[tuple[str, int]] = Counter()
         self.parts = Parts(parts_timeout_s)
@@ -111,11 +115,31 @@ class Ingest:
         request_iterator: AsyncIterator[Arrived],
         context: grpc.aio.ServicerContext[Arrived, session_pb2.Ack],
     ) -> session_pb2.Ack:
+        # Counted from the call's start, by the caller's credential (its one slot, else the
+        # credential on this connection), so calls that never send a chunk are bounded too.
+        caller = auth.CALLER.get()
+        opening = (caller.only_slot or f"{caller.name} {context.peer()}", -1)
+        if self.in_flight[opening] >= self.max_per_slot:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this caller has {self.max_per_slot} Ingest calls open that sent no chunk yet "
+                "(--max-ingest-per-slot); send their chunks or end them",
+            )
+        self.in_flight[opening] += 1
         try:
-            arrived = await anext(request_iterator)
+            arrived = await asyncio.wait_for(anext(request_iterator), self.first_chunk_timeout_s)
         except StopAsyncIteration:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an Ingest call sent no chunk")
             raise
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"an Ingest call sent no chunk within {self.first_chunk_timeout_s:g} s "
+                "(--hello-timeout-s); send the update's first chunk as the call opens",
+            )
+            raise
+        finally:
+            self._done(opening)
         first = arrived.chunk
         try:
             auth.check_slot(first.learner_id)
@@ -131,10 +155,21 @@ class Ingest:
         self.in_flight[slot] += 1
         try:
             return await self._admit(arrived, request_iterator, context)
+        except WorkerShutDown:
+            # The owner gave the fragment up (its lease lapsed or moved) while this update
+            # arrived: the learner sends it to the new owner.
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, NOT_OWNER.format(p=first.header.fragment)
+            )
+            raise
         finally:
-            self.in_flight[slot] -= 1
-            if self.in_flight[slot] <= 0:
-                del self.in_flight[slot]
+            self._done(slot)
+
+    def _done(self, key: tuple[str, int]) -> None:
+        """One Ingest call counted under `key` ended (or moved on to its slot's count)."""
+        self.in_flight[key] -= 1
+        if self.in_flight[key] <= 0:
+            del self.in_flight[key]
 
     async def _admit(
         self,
@@ -170,6 +205,47 @@ class Ingest:
                 fragment=p,
                 epoch=owner.epoch,
                 status=session_pb2.ACK_STATUS_ALREADY_INITIALIZED,
+            )
+        try:
+            live = await self.store.is_live(first.learner_id)
+        except Exception as err:  # Redis away: the learner sends it again
+            log.warning("liveness_unknown", error=repr(err))
+            return await self._refuse(
+                first,
+                Rejection(
+                    "bad_request",
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the synchronizer cannot reach its control store to see that the slot's "
+                    "session is live; resend later",
+                ),
+            )
+        if not live:
+            # Only live learners merge: a round's step is scaled by the live learners it
+            # stands for, so an update from a slot nobody counts would take a step alone.
+            return await self._refuse(
+                first,
+                Rejection(
+                    "not_live",
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"learner slot {first.learner_id[:64]!r} has no live session: updates "
+                    "count only from a learner whose Session said hello and keeps its "
+                    "heartbeats; open the session (or wait for it to reconnect) and resend",
+                ),
+            )
+        initializer = self.config.initializer
+        if first.kind == session_pb2.UPDATE_KIND_INITIAL and initializer not in (
+            "",
+            first.learner_id,
+        ):
+            return await self._refuse(
+                first,
+                Rejection(
+                    "bad_request",
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"a fragment's first values come from the job's initializer slot "
+                    f"{initializer[:64]!r} (--initializer), not from {first.learner_id[:64]!r}; "
+                    "wait for them",
+                ),
             )
         if first.parts > 1:
             return await self._in_parts(owner, codec, arrived, rest)
@@ -387,11 +463,20 @@ class Ingest:
         try:
             return await self.parts.admit(owner, codec, arrived, rest, finish)
         except Rejection as rejection:
-            return await self._refuse(arrived.chunk, rejection)
+            return await self._refuse(arrived.chunk, rejection, whole=False)
 
     async def _refuse(
-        self, chunk: session_pb2.UpdateChunk, rejection: Rejection, version: int = 0
+        self,
+        chunk: session_pb2.UpdateChunk,
+        rejection: Rejection,
+        version: int = 0,
+        *,
+        whole: bool = True,
     ) -> session_pb2.Ack:
+        """The ack refusing an update. A part refused before its update's parts gathered
+        (`whole`) fails the update now, its other parts answered with the same refusal."""
+        if whole and chunk.parts > 1:
+            await self.parts.fail_open(chunk, rejection)
         tm.UPDATES_REJECTED.labels(reason=rejection.reason).inc()
         # The metric has it; the job's total misses one while Redis is away.
         with contextlib.suppress(Exception):

@@ -108,6 +108,11 @@ class JobKeys:
         dies with its owner, let go of once committed."""
         return fragment_key(self.job, p, "orphans")
 
+    def norms(self, p: int) -> str:
+        """Hash: learner slot -> `norm steps` of its last accepted update of fragment p (the
+        norm as merged: clipped), which bound the next updates (`owner.clip_bound`)."""
+        return fragment_key(self.job, p, "norms")
+
     def log(self, p: int) -> str:
         return fragment_key(self.job, p, "log")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -59,6 +60,16 @@ def partial_round_scale(contributors: int, live_learners: int) -> float:
     return min(1.0, contributors / max(1, live_learners))
 
 
+def live_round_scale(members: AbstractSet[str], live: AbstractSet[str] | None) -> float:
+    """A round's step as a share of a full one: its member slots over the live learners it
+    stands for (`partial_round_scale`), its members counted among them (each was live when
+    admitted; one that left since still takes only its share). None: full rounds. Never a
+    full step for a member beside live learners outside the round."""
+    if live is None:
+        return 1.0
+    return partial_round_scale(len(members), len(live | members))
+
+
 def tensor_norms(values: np.ndarray, segments: Sequence[int]) -> list[float]:
     """The L2 norm of each tensor (a run of `segments` sizes) of a flat fragment."""
     out, start = [], 0
@@ -86,6 +97,9 @@ class Accumulator:
     compiled_moves: ClassVar[bool] = True
     # Whether chunks of one range are summed several at once (`ready_encoded`, `add_many`).
     sums_together: ClassVar[bool] = True
+    # Whether an update is clipped by scaling its values in the sum (the mean rule); else by
+    # scaling the norms it is counted with (`counted`), its direction kept (radial).
+    clips_values: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.total = np.zeros(self.size, np.float32)
@@ -203,6 +217,7 @@ class RadialAccumulator(Accumulator):
     direction_norms: np.ndarray = field(init=False)
     compiled_moves: ClassVar[bool] = False  # each tensor's part is scaled by its own factor
     sums_together: ClassVar[bool] = False
+    clips_values: ClassVar[bool] = False  # a unit vector per tensor: its norms are clipped
 
     def __post_init__(self) -> None:
         super().__post_init__()

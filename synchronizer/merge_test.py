@@ -7,6 +7,7 @@ from synchronizer.merge import (
     MERGE_RULES,
     OuterOptimizer,
     capped_weights,
+    live_round_scale,
     partial_round_scale,
     staleness_weight,
     tensor_norms,
@@ -199,3 +200,15 @@ def test_a_step_to_values_that_are_not_finite_is_refused_as_numpy_refuses_it(
         step_segment(zeros[0], total.copy(), zeros[1], codec, 64)
     with pytest.raises(CodecError):
         fused_step(total, 1.0, None, 0.0, 1.0, zeros[2], zeros[3], codec, 64)
+
+
+def test_a_round_steps_by_the_live_learners_it_stands_for() -> None:
+    # Two live learners, one in the round: half a step.
+    assert live_round_scale({"l0"}, frozenset({"l0", "l1"})) == 0.5
+    # A member whose session ended since it was admitted counts among the learners: its
+    # update arrived alone beside a live learner, and takes half a step, not a full one.
+    assert live_round_scale({"gone"}, frozenset({"l0"})) == 0.5
+    # Nobody else live: the round is the whole job.
+    assert live_round_scale({"l0"}, frozenset()) == 1.0
+    assert live_round_scale({"l0", "l1"}, frozenset({"l0", "l1", "l2", "l3"})) == 0.5
+    assert live_round_scale({"l0"}, None) == 1.0  # --partial-rounds full

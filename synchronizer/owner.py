@@ -39,7 +39,7 @@ from synchronizer.merge import (
     Accumulator,
     OuterOptimizer,
     capped_weights,
-    partial_round_scale,
+    live_round_scale,
     staleness_weight,
     token_weight,
 )
@@ -147,6 +147,9 @@ class Update:
     first_values: int = 0
     abandoned: bool = False  # will not be received: chunk sums still queued add nothing
     staleness: float = 1.0  # what its weight was multiplied by for being behind (`begin`)
+    # What its norm was scaled by to merge within its fragment's clip bound (`clip_bound`):
+    # 1 unclipped. Set once whole, before it is recorded.
+    clip: float = 1.0
     # Its move to the next round when its round was sealed while it arrived: the move may
     # settle a provisional weight, so whoever reads the weight on the event loop waits.
     moved: Future[None] | None = None
@@ -262,6 +265,9 @@ class FragmentOwner:
         self.state = states[:n_opt] or self.optimizer.init(self.theta)
         self.residual = states[n_opt] if len(states) > n_opt else np.zeros_like(self.theta)
         self.keyframes = [Keyframe(keyframe_version(pointer), pointer.value, pointer.state)]
+        # The norm history the fragment's updates are bounded by, as its last owner left it.
+        for learner, (norm, steps) in (await self.store.norms(self.fragment)).items():
+            self.norms.set(learner, norm, steps)
         self.version = pointer.version
         self.opened_at = time.monotonic()
         log.info("fragment_loaded", fragment=self.fragment, version=self.version, epoch=self.epoch)
@@ -386,6 +392,16 @@ class FragmentOwner:
         self.open.stream(update)
         return update
 
+    def _summed_weight(self, update: Update) -> float:
+        """What an update's values are multiplied by in its round's sum: its weight, times
+        its clip where the merge rule clips values."""
+        return update.weight * (update.clip if self.rule.accumulator.clips_values else 1.0)
+
+    @staticmethod
+    def _counted_norms(update: Update) -> list[float]:
+        """The per-tensor norms an update is counted with (radial merging), clipped."""
+        return [n * update.clip for n in update.norms]
+
     def weight_cap(self, learner: str) -> float | None:
         """The most an update of `learner` may weigh: --max-weight-share times the median
         weight of the other learners' last updates (its fair share), so that whatever tokens
@@ -413,6 +429,35 @@ class FragmentOwner:
         if median is not None:
             return max(ratio * median, size)
         return ratio * size
+
+    def clip_bound(self, learner: str, steps: int) -> float:
+        """The L2 norm an update of `steps` inner steps is scaled down to if larger:
+        --clip-norm-ratio times the median of the other slots' last accepted updates of the
+        fragment, as they merged (clipped), each scaled to `steps` (`step_scale`). Kept in
+        Redis (`store.norms`), so a new owner measures against the same history. A slot's
+        own history never moves its bar, and only clipped norms enter the history, so slots
+        short of a majority of those with history cannot raise it: their entries sit above
+        the median. With no other slot's (the fragment's first update, or a slot alone on
+        it): --warmup-update-rms per value, never a multiple of the fragment's own norm,
+        which let one update replace the fragment."""
+        median = self.norms.median_of_others(learner, lambda s: step_scale(steps, s))
+        if median:  # None, or others that sent nothing: the warm-up bound
+            return self.config.clip_norm_ratio * median
+        return self.config.warmup_update_rms * math.sqrt(self.size)
+
+    def _clip(self, update: Update, factor: float) -> None:
+        """Scale a whole update's values (or, for radial merging, the norms it counts with)
+        by `factor` < 1, on the worker: its summed chunks give back (1 - factor) of their
+        weight; its later moves and take-outs go at the clipped weight."""
+        if self.rule.accumulator.clips_values:
+            cut = update.weight * (1.0 - factor)
+
+            def out(chunk: Chunk) -> None:
+                if chunk.accumulator is not None:
+                    self._sum(update, chunk.accumulator, chunk.segment, -cut)
+
+            _each_chunk(out, update.chunks)
+        update.clip = factor
 
     def check_norms(self, update: Update) -> None:
         """The per-tensor norms an update claimed (radial merging divides by them) must be
@@ -599,9 +644,11 @@ class FragmentOwner:
         )
 
     def _take_out(self, update: Update) -> None:
+        weight = self._summed_weight(update)
+
         def out(chunk: Chunk) -> None:
             if chunk.accumulator is not None:
-                self._sum(update, chunk.accumulator, chunk.segment, -update.weight)
+                self._sum(update, chunk.accumulator, chunk.segment, -weight)
 
         _each_chunk(out, update.chunks)
         update.chunks.clear()
@@ -642,7 +689,7 @@ class FragmentOwner:
 
                 list(_STEP_POOL.map(add, range(0, self.size, step)))
             for update in summed:
-                sealed.counted(update.weight, update.norms, 1)
+                sealed.counted(update.weight, self._counted_norms(update), 1)
                 update.chunks.clear()
             return
         for update, weight in zip(members, weights, strict=True):
@@ -661,11 +708,11 @@ class FragmentOwner:
 
         def run(job: list[tuple[Update, codecs.Segment]]) -> None:
             for update, segment in job:
-                self._sum(update, sealed, segment, update.weight)
+                self._sum(update, sealed, segment, self._summed_weight(update))
 
         list(_STEP_POOL.map(run, jobs))
         for update in summed:
-            sealed.counted(update.weight, update.norms, 1)
+            sealed.counted(update.weight, self._counted_norms(update), 1)
             update.chunks.clear()
 
     def _move(self, update: Update, sealed: Accumulator, cap: float | None = None) -> None:
@@ -673,10 +720,11 @@ class FragmentOwner:
         update's round now. A provisional update with a `cap` (other learners' weights are
         known by now) is capped as `begin` caps an update and joins that round's own sum:
         its round then needs no provisional sum of its own (a fragment-sized array)."""
-        old = update.weight
+        old = self._summed_weight(update)
         if update.provisional and cap is not None:
             update.weight = update_weight(update.c_tokens, update.c_steps, cap, update.staleness)
             update.provisional = False
+        new = self._summed_weight(update)
         # Every summed chunk not in the update's sum now: those of the sealed round, and
         # one whose sum began as the round was sealed (it read the new round, and was summed
         # into its provisional sum at the weight before this settled it). A provisional sum
@@ -691,7 +739,7 @@ class FragmentOwner:
         def move(chunk: Chunk) -> None:
             source = chunk.accumulator
             assert source is not None  # `moving` holds summed chunks only
-            if update.weight == old:
+            if new == old:
                 source.took_out(old)
                 source.move_encoded(
                     target,
@@ -704,7 +752,7 @@ class FragmentOwner:
                 )
             else:  # out at the weight it was summed at, in at the one settled
                 self._sum(update, source, chunk.segment, -old)
-                self._sum(update, target, chunk.segment, update.weight)
+                self._sum(update, target, chunk.segment, new)
             chunk.accumulator = target
 
         _each_chunk(move, moving)
@@ -727,6 +775,18 @@ class FragmentOwner:
 
     async def _receive(self, update: Update, checksum: int) -> tuple[str, int]:
         await self._moved(update)  # the weight recorded is the one it is summed at
+        bound = self.clip_bound(update.learner, update.c_steps)
+        if update.norm > bound:
+            # Scaled down, not refused: an honest update outgrowing the others' (warm-up,
+            # a late reply covering many steps) still brings its direction.
+            await self._ahead_on_worker(self._clip, update, bound / update.norm)
+            log.info(
+                "update_clipped",
+                fragment=self.fragment,
+                learner=update.learner,
+                norm=update.norm,
+                bound=bound,
+            )
         record = {
             "learner": update.learner,
             "incarnation": update.incarnation,
@@ -735,6 +795,7 @@ class FragmentOwner:
             "c_steps": update.c_steps,
             "c_tokens": update.c_tokens,
             "weight": update.weight,
+            "clip": update.clip,
             "epoch": self.epoch,
         }
         try:
@@ -750,9 +811,9 @@ class FragmentOwner:
         await self._moved(update)  # its round was sealed meanwhile
         if not update.provisional:  # received: nothing of it moves again
             self.worker.submit(update.chunks.clear)
-            update.accumulator.counted(update.weight, update.norms, 1)
+            update.accumulator.counted(update.weight, self._counted_norms(update), 1)
         self.weights.set(update.learner, update.weight)  # as capped (provisional: as claimed)
-        self.norms.set(update.learner, update.norm, update.c_steps)
+        self.norms.set(update.learner, update.norm * update.clip, update.c_steps)
         self.open.receive(update)  # of the open round: one sealed meanwhile moved it
         self.last_received = time.monotonic()
         tm.UPDATES_ACCEPTED.inc()
@@ -794,6 +855,7 @@ class FragmentOwner:
                 max_staleness=self.config.max_staleness,
                 record=record,
                 generation=generation,
+                norm=(update.norm * update.clip, update.c_steps),
             )
 
         if self.holders.get(update.learner) == update.incarnation:
@@ -860,10 +922,12 @@ class FragmentOwner:
         if decision.held:
             self.held_at = now
         if decision.merge_now:
-            live_count = len(live.learners) if self.config.partial_rounds == "scaled" else 0
-            await self.merge(live_count)
+            scaled = self.config.partial_rounds == "scaled"
+            await self.merge(frozenset(lv.learner for lv in live.learners) if scaled else None)
 
-    async def merge(self, live_learners: int) -> None:
+    async def merge(self, live_learners: frozenset[str] | None) -> None:
+        """Seal the open round and commit it. `live_learners`: the slots with a live session
+        now, which scale its step (`live_round_scale`); None: a full step."""
         self.merging = True
         started = time.monotonic()
         # A round is ready once its last update is in, or its grace window ends (the last
@@ -940,12 +1004,16 @@ class FragmentOwner:
         return list(_STEP_POOL.map(one, range(0, self.size, step)))
 
     async def _commit(
-        self, updates: list[Update], sealed: Accumulator, live_learners: int, ready: float
+        self,
+        updates: list[Update],
+        sealed: Accumulator,
+        live_learners: frozenset[str] | None,
+        ready: float,
     ) -> None:
         assert self.version is not None
         started = time.monotonic()
         learners = {u.learner for u in updates}
-        scale = partial_round_scale(len(learners), live_learners) if live_learners else 1.0
+        scale = live_round_scale(learners, live_learners)
         claimed = {u: u.weight for u in updates if u.provisional}
         phases = _Phases()
         if claimed:
@@ -982,6 +1050,7 @@ class FragmentOwner:
             "uids": [u.uid for u in updates],
             "learners": [u.learner for u in updates],
             "weights": [u.weight for u in updates],
+            "clips": [u.clip for u in updates],
             "scale": scale,
             "base_versions": [u.base_version for u in updates],
             "replica": self.replica,

@@ -11,6 +11,7 @@ import pytest
 from services import codec as codecs
 from services.config import JobConfig
 from services.tape import Tape
+from synchronizer.merge import RadialAccumulator
 from synchronizer.owner import (
     MAX_STEP_SPAN,
     Chunk,
@@ -483,3 +484,74 @@ def test_chunks_summed_together_leave_what_summing_one_after_another_leaves(
         ]
     one.close()
     many.close()
+
+
+def test_an_update_over_the_clip_bound_merges_scaled_down_and_its_clipped_norm_is_kept(
+    tmp_path: Path,
+) -> None:
+    """Measured against the other slot's last accepted norm (1.0, 10 steps), an update of
+    norm 10 over as many steps is scaled to 3 (--clip-norm-ratio), not refused: its sum holds
+    0.3 of its values, and the norm it leaves for the next updates is the clipped one."""
+    size = 1000
+    owner = _owner(tmp_path, size)
+    codec = codecs.by_name("fp32")
+    x = np.random.default_rng(6).normal(size=size).astype(np.float32)
+    x *= np.float32(10.0 / np.linalg.norm(x.astype(np.float64)))
+    owner.norms.set("honest", 1.0, 10)
+    assert owner.clip_bound("evil", 10) == 3.0
+    assert owner.clip_bound("honest", 10) == 0.05 * math.sqrt(size)  # alone: the warm-up bound
+    big = Update("evil", "i", 1, 0, 10, 100, 1.0, 2.0, (10.0,), codec, 0, owner.current)
+    owner.open.stream(big)
+    for s in codecs.encode_segments(codec, x, 0, 400)[0]:
+        owner._add(big, s.offset, s.count, s.data)
+
+    async def recorded(update: Update, checksum: int, record: object) -> tuple[str, int]:
+        return "received", 1
+
+    owner._record = recorded  # type: ignore[method-assign]
+    assert asyncio.run(owner.receive(big, 0)) == ("received", 1)
+    assert math.isclose(big.clip, 0.3, rel_tol=1e-6)
+    np.testing.assert_allclose(owner.current.total, 2.0 * 0.3 * x, rtol=1e-5, atol=1e-6)
+    assert owner.current.weight == 2.0  # its weight is its own: only its values shrank
+    assert math.isclose(owner.norms["evil"], 3.0, rel_tol=1e-5)
+    owner.close()
+
+
+def test_under_radial_merging_a_clipped_update_keeps_its_direction_and_counts_clipped_norms(
+    tmp_path: Path,
+) -> None:
+    """Radial merging sums unit vectors: a clip scales the norms an update is counted with
+    (the round's length), not its values (its direction)."""
+    size = 1000
+    owner = FragmentOwner(
+        fragment=0,
+        size=size,
+        segments=(size,),
+        epoch=1,
+        replica="r",
+        config=JobConfig(merge="radial"),
+        store=None,  # type: ignore[arg-type]  # a round's sums touch no store
+        tensors=TensorStore(str(tmp_path)),
+        tape=Tape(None, "r"),
+        fragments=1,
+    )
+    codec = codecs.by_name("fp32")
+    x = np.random.default_rng(8).normal(size=size).astype(np.float32)
+    norm = float(np.linalg.norm(x.astype(np.float64)))
+    owner.norms.set("honest", norm / 30, 10)  # the bound: 3x that, a tenth of x's norm
+    big = Update("evil", "i", 1, 0, 10, 100, 1.0, 1.0, (norm,), codec, 0, owner.current)
+    owner.open.stream(big)
+    for s in codecs.encode_segments(codec, x, 0, 400)[0]:
+        owner._add(big, s.offset, s.count, s.data)
+
+    async def recorded(update: Update, checksum: int, record: object) -> tuple[str, int]:
+        return "received", 1
+
+    owner._record = recorded  # type: ignore[method-assign]
+    assert asyncio.run(owner.receive(big, 0)) == ("received", 1)
+    assert math.isclose(big.clip, 0.1, rel_tol=1e-5)
+    np.testing.assert_allclose(owner.current.total, x / norm, rtol=1e-5, atol=1e-7)  # unit
+    radial = owner.current
+    assert isinstance(radial, RadialAccumulator)
+    assert math.isclose(float(radial.norm_sum[0]), 0.1 * norm, rel_tol=1e-5)
+    owner.close()

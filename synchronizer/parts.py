@@ -329,6 +329,15 @@ class Parts:
             _retry(f"lacked parts {missing} {self.timeout_s:g} s after its first came"),
         )
 
+    async def fail_open(self, chunk: session_pb2.UpdateChunk, rejection: Rejection) -> None:
+        """A part refused before it reached its update (its header, its fields, its slot's
+        session): the update it belongs to, if its other parts are in, is refused with it at
+        once, every part answered, rather than left waiting for it until the timeout."""
+        wanted = (chunk.header.fragment, chunk.learner_id, chunk.incarnation, chunk.seq)
+        for key, gathering in list(self.open.items()):
+            if (key[0], key[2], key[3], key[4]) == wanted:
+                await self._fail(key, gathering, rejection)
+
     def close(self) -> None:
         for gathering in self.open.values():
             if gathering.watchdog is not None:

@@ -85,6 +85,7 @@ class SynchronizerService:
             settings.max_ingest_per_slot,
             settings.parts_timeout_s,
             self.followers.downlink.caught_up,
+            first_chunk_timeout_s=settings.hello_timeout_s,
         )
         self._bytes = {"up": 0, "down": 0}
 

@@ -94,6 +94,16 @@ def model_differs() -> SessionClosed:
     )
 
 
+def pool_prefix(caller: auth.Identity, slot: str) -> str:
+    """The slot prefix of the pool credential `slot` is spoken for by ('' if the caller's
+    credential names the slot itself, or any slot: the shared token, anonymous)."""
+    if caller.patterns is None or slot in caller.patterns:
+        return ""
+    return next(
+        (p[:-1] for p in caller.patterns if p.endswith("*") and slot.startswith(p[:-1])), ""
+    )
+
+
 def busy(slot: str) -> SessionClosed:
     return SessionClosed(
         grpc.StatusCode.ALREADY_EXISTS,
@@ -298,11 +308,31 @@ class Sessions:
         cfg = self.settings
         digest, spec_json = await self._spec(hello)
         initialized = await self.store.is_initialized(cfg.fragments)
+        other = bool(cfg.initializer) and hello.learner_id != cfg.initializer
+        if other and await self.store.spec() is None:
+            # The operator's initializer fixes the job's spec, never whoever says hello first.
+            raise SessionClosed(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the job's model spec comes from its initializer slot {cfg.initializer!r} "
+                "(--initializer), which has not said hello yet; retrying",
+            )
         joined = await self.store.hello(
-            spec_json, hello.learner_id, hello.incarnation, cfg.lease_ttl_s, hello.step, initialized
+            spec_json,
+            hello.learner_id,
+            hello.incarnation,
+            cfg.lease_ttl_s,
+            hello.step,
+            initialized or other,  # only the initializer may claim to send first values
+            pool=(pool_prefix(auth.CALLER.get(), hello.learner_id), cfg.pool_size),
         )
         if joined.status == "busy":
             raise busy(hello.learner_id)
+        if joined.status == "pool_full":
+            raise SessionClosed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this credential speaks for a pool of slots, which holds {cfg.pool_size} live "
+                "sessions already (--pool-size); a new one may start once one ends",
+            )
         if joined.status != "ok":
             raise model_differs()
         if len(self._known_specs) < MAX_KNOWN_SPECS:

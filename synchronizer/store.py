@@ -9,6 +9,7 @@ decided in Python (`rounds.py`, `owner.py`).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from importlib import resources
@@ -198,7 +199,10 @@ class ControlStore:
         ttl_s: float,
         step: int,
         initialized: bool,
+        pool: tuple[str, int] = ("", 0),
     ) -> Hello:
+        """A learner's hello (`lua/hello.lua`). `pool`: the slot prefix its credential names
+        and the most sessions that credential may hold at once (0: no cap)."""
         k = self.keys
         reply = await self._run(
             "hello",
@@ -211,6 +215,8 @@ class ControlStore:
                 step,
                 int(INIT_CLAIM_S * 1000),
                 int(initialized),
+                pool[0],
+                pool[1],
             ],
         )
         if _s(reply[0]) != "ok":
@@ -267,6 +273,10 @@ class ControlStore:
                 )
             )
         return Live(now_s=float(reply[0]) / 1000.0, learners=tuple(learners))
+
+    async def is_live(self, learner: str) -> bool:
+        """Whether the slot holds a live session now (its lease runs, in Redis time)."""
+        return bool(int(await self._run("lease", [self.keys.learners], [learner])))
 
     async def add_stats(self, **increments: float) -> None:
         """Add to the job-wide counters (bytes, rejections)."""
@@ -372,10 +382,13 @@ class ControlStore:
         max_staleness: int,
         record: dict[str, Any],
         generation: int | None = None,
+        norm: tuple[float, int] | None = None,
     ) -> tuple[str, int]:
         """Record a received update (`lua/receive.lua`). `generation`: the slot's count of
         hellos when `incarnation` was read to be its current one; None: not read yet (the
-        status is `new_incarnation` if the slot's records here are another's)."""
+        status is `new_incarnation` if the slot's records here are another's). `norm`: its
+        L2 norm as it merges and its inner steps, the slot's entry in the fragment's norm
+        history if it is received (None: none)."""
         k = self.keys
         reply = await self._run(
             "receive",
@@ -386,6 +399,7 @@ class ControlStore:
                 k.seen(fragment, learner),
                 k.fragment_stats(fragment),
                 k.orphans(fragment),
+                k.norms(fragment),
             ],
             [
                 replica,
@@ -400,9 +414,24 @@ class ControlStore:
                 "" if generation is None else generation,
                 SEEN_TTL_S,
                 learner,
+                "" if norm is None else f"{norm[0]!r} {norm[1]}",
             ],
         )
         return _s(reply[0]), int(reply[1])
+
+    async def norms(self, fragment: int) -> dict[str, tuple[float, int]]:
+        """Each slot's last accepted update's norm (as merged) and inner steps on the
+        fragment; an entry that does not parse as a finite norm >= 0 is left out."""
+        out: dict[str, tuple[float, int]] = {}
+        for slot, entry in (await self.redis.hgetall(self.keys.norms(fragment))).items():
+            try:
+                norm, steps = _s(entry).split()
+                value, count = float(norm), int(steps)
+            except ValueError:
+                continue
+            if math.isfinite(value) and value >= 0 and count >= 0:
+                out[_s(slot)] = (value, count)
+        return out
 
     async def incarnation(self, learner: str) -> tuple[str, int] | None:
         """A slot's current incarnation and generation (its count of hellos); None if it

@@ -35,6 +35,10 @@ class _Together:
     run: Callable[[list[tuple[Any, ...]]], list[Any]]
 
 
+class WorkerShutDown(RuntimeError):
+    """A job was queued to the worker of an owner that gave its fragment up."""
+
+
 class FragmentWorker(Executor):
     def __init__(self, name: str) -> None:
         self._jobs: queue.PriorityQueue[
@@ -75,7 +79,7 @@ class FragmentWorker(Executor):
         future: Future[Any] = Future()
         with self._lock:
             if self._closed:
-                raise RuntimeError("the fragment's worker is shut down: it gave the fragment up")
+                raise WorkerShutDown("the fragment's worker is shut down: it gave the fragment up")
             call = (lambda: fn(*args, **kwargs)) if kwargs and callable(fn) else fn
             self._jobs.put((rank, next(self._order), future, call, () if kwargs else args))
         return future

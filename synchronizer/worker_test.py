@@ -5,7 +5,7 @@ from concurrent.futures import CancelledError
 
 import pytest
 
-from synchronizer.worker import FragmentWorker
+from synchronizer.worker import FragmentWorker, WorkerShutDown
 
 
 def test_urgent_jobs_run_ahead_of_queued_ones_each_kind_in_order() -> None:
@@ -84,3 +84,11 @@ def test_jobs_queued_together_run_in_one_call_in_their_order_others_keep_their_p
         with pytest.raises(RuntimeError, match="whole call"):
             f.result(10)
     worker.shutdown()
+
+
+def test_a_job_queued_after_shutdown_is_refused_with_a_typed_error() -> None:
+    # Ingest maps it to FAILED_PRECONDITION (not the owner) without its text.
+    worker = FragmentWorker("t")
+    worker.shutdown(wait=True)
+    with pytest.raises(WorkerShutDown):
+        worker.submit(lambda: None)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import redis
@@ -23,7 +25,12 @@ def layout(fragments: int) -> FragmentLayout:
     return fragment_layout(SPECS, fragments)
 
 
-def client(addresses: Sequence[str], learner_id: str, **kw: object) -> SynchronizerClient:
+def client(
+    addresses: Sequence[str], learner_id: str, *, heartbeat_s: float | None = 1.0, **kw: object
+) -> SynchronizerClient:
+    """A connected session for `learner_id`, which heartbeats every `heartbeat_s` as a
+    training learner does (None: never, its lease lapses): only live learners' updates
+    merge."""
     c = SynchronizerClient(
         list(addresses),
         job="default",
@@ -34,7 +41,30 @@ def client(addresses: Sequence[str], learner_id: str, **kw: object) -> Synchroni
         **{"give_up_s": 60.0, **kw},  # type: ignore[arg-type]  # a test fails, not hangs
     )
     c.connect()
+    if heartbeat_s is not None:
+        _heartbeats(c, heartbeat_s)
     return c
+
+
+def _heartbeats(c: SynchronizerClient, every_s: float) -> None:
+    """Send `c`'s last heartbeat again every `every_s` until it closes, as a training
+    learner's steps do: a test's own heartbeats (a step, finishing) stand until its next."""
+    last: dict[str, Any] = {
+        "step": 0, "step_time_ema_s": 0.0, "tokens_per_s": 0.0, "loss": 0.0, "eval_loss": 0.0
+    }  # fmt: skip
+    send = c.heartbeat
+
+    def heartbeat(**fields: Any) -> None:
+        last.clear()
+        last.update(fields)
+        send(**fields)
+
+    def again() -> None:
+        while not c.wait_closed(every_s):
+            send(**last)
+
+    c.heartbeat = heartbeat  # type: ignore[method-assign]
+    threading.Thread(target=again, daemon=True).start()
 
 
 def initial_params(seed: int = 0) -> dict[str, np.ndarray]:

@@ -243,6 +243,8 @@ def test_defaults_give_synchronizers_a_pool_and_redis() -> None:
     # address learners send each owned fragment's updates to.
     assert "--tensor-store=/var/lib/atoll/tensors" in container["args"]
     assert "--advertise=$(POD_IP):50051" in container["args"]
+    # The job's spec and first values come from the first pool's pod 0, not the first hello.
+    assert "--initializer=atoll-learner-main-0" in container["args"]
     claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]  # see the tensor store's test
     bucket = render({"tensorStore": {"url": "s3://bucket/atoll"}})

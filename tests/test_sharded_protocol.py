@@ -208,3 +208,42 @@ def test_first_values_never_pin_memory_once_known_and_open_parts_are_few_per_slo
         assert support.version(r, FRAGMENT) == version
     finally:
         c.close()
+
+
+def test_a_part_refused_before_its_update_gathers_fails_every_part_at_once(
+    spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    # Part 1 arrives and waits for part 0; part 0 is refused at its header (a block size
+    # over the maximum). Part 1's call once hung until --parts-timeout-s.
+    sync = spawn_synchronizer(
+        "--fragments", "2", "--grace-seconds", "0", "--parts-timeout-s", "60",
+    )  # fmt: skip
+    c = support.client([sync.address], "l0")
+    r = redis.Redis(port=redis_server.port)
+    try:
+        support.initialize(c, 2)
+        delta = np.random.default_rng(2).normal(scale=0.01, size=N).astype(np.float32)
+        good = part(delta, [(300, N)], 1, 2, seq=30)
+        bad = part(delta, [(0, 300)], 0, 2, seq=30)
+        for chunk in bad:
+            chunk.header.block_size = codecs.MAX_BLOCK_SIZE + 1
+        for chunk in (*good, *bad):
+            chunk.incarnation = c.incarnation
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(c.ingest_raw, good)
+            time.sleep(1.0)  # part 1 is in, waiting for part 0
+            started = time.monotonic()
+            refused = c.ingest_raw(bad)
+            sibling = waiting.result(timeout=20)
+        assert refused.status == REJECTED
+        assert sibling.status == REJECTED, sibling
+        assert sibling.reason == refused.reason
+        assert time.monotonic() - started < 10
+        time.sleep(0.3)
+        assert support.pending(r, 2) == []
+        # The update sent whole and right merges.
+        good = [part(delta, [(0, 300)], 0, 2, seq=31), part(delta, [(300, N)], 1, 2, seq=31)]
+        assert [a.status for a in send(c, good)] == [RECEIVED, RECEIVED]
+        wait_until(lambda: support.version(r, FRAGMENT) == 1)
+    finally:
+        c.close()

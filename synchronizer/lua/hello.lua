@@ -6,15 +6,27 @@
 -- whole model. The slot's steps toward the job's budget restart from its hello's step, or
 -- stay where they were counted if that is lower (a restored learner's earlier checkpoint
 -- lowers them; a claim above what was counted only catches up as its heartbeats go on).
+-- A pool's credential (one certificate for every slot starting with a prefix) opens at
+-- most pool_size sessions at once: a hello is refused while that many other slots of the
+-- prefix hold live leases.
 -- KEYS: spec, learners, learner, ema, init_claim, slot_steps
--- ARGV: spec_json, id, incarnation, ttl_ms, step, claim_ms, initialized (1/0)
--- Returns: status ('ok' | 'spec_mismatch' | 'busy'), previous incarnation, holds the claim,
---          the slot's steps counted now, the job's steps over all slots
+-- ARGV: spec_json, id, incarnation, ttl_ms, step, claim_ms, initialized (1/0),
+--       pool prefix ('': not a pool's credential), pool_size (0: no cap)
+-- Returns: status ('ok' | 'spec_mismatch' | 'busy' | 'pool_full'), previous incarnation,
+--          holds the claim, the slot's steps counted now, the job's steps over all slots
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local previous = redis.call('HGET', KEYS[3], 'incarnation') or ''
 local lease = redis.call('ZSCORE', KEYS[2], ARGV[2])
 if lease and tonumber(lease) > now then return {'busy', previous, 0, 0} end
+local cap = tonumber(ARGV[9] or '0')
+if ARGV[8] and ARGV[8] ~= '' and cap > 0 then
+  local held = 0
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], now + 1, '+inf')) do
+    if id ~= ARGV[2] and string.sub(id, 1, #ARGV[8]) == ARGV[8] then held = held + 1 end
+  end
+  if held >= cap then return {'pool_full', previous, 0, 0} end
+end
 local stored = redis.call('GET', KEYS[1])
 if not stored then
   redis.call('SET', KEYS[1], ARGV[1])

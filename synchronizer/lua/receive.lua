@@ -12,10 +12,12 @@
 -- with an earlier owner are counted in the stats' `updates_dropped`; those of this epoch's
 -- rounds are kept in `orphans` until their round commits (`commit.lua`) or dies with this
 -- owner (`own.lua` counts them then): nobody is left to send them again.
--- KEYS: frag, owner, round, seen, stats, orphans
+-- A received update's norm as it merges (clipped) becomes its slot's entry in `norms`, the
+-- history the fragment's next updates are bounded by, whoever owns it next.
+-- KEYS: frag, owner, round, seen, stats, orphans, norms
 -- ARGV: replica, epoch, uid, seq, checksum, base_version, max_staleness, record_json,
 --       incarnation, generation ('': not looked up; 0: the slot never said hello), ttl_s,
---       learner (the slot)
+--       learner (the slot), 'norm steps' ('': none)
 -- Returns: {status, version}: received | duplicate (committed already) | again (received
 --   under this epoch already) | checksum (a retry with other bytes) | not_owner |
 --   uninitialized | future | stale (not for a resend of an update received under an earlier
@@ -68,4 +70,8 @@ if not seen then redis.call('HINCRBY', KEYS[5], 'updates_accepted', 1) end
 redis.call('HSET', KEYS[4], ARGV[4], ARGV[2] .. ' ' .. ARGV[5] .. ' r')
 redis.call('EXPIRE', KEYS[4], tonumber(ARGV[11]))
 redis.call('HSET', KEYS[3], ARGV[3], ARGV[8])
+if ARGV[13] ~= '' then
+  redis.call('HSET', KEYS[7], ARGV[12], ARGV[13])
+  redis.call('EXPIRE', KEYS[7], tonumber(ARGV[11]))
+end
 return {'received', v}
