@@ -24,6 +24,7 @@ WHOLE_CLUSTERS = frozenset(
         "test_bench_quality",
         "test_bench_scale",
         "test_bench_synchronizer",
+        "test_command_line",
         "test_containers",
         "test_export",
         "test_faults",

@@ -254,7 +254,7 @@ def test_ctrl_c_says_what_it_stops_stops_it_and_unpublishes_the_targets(tmp_path
             time.sleep(0.2)
         proc.send_signal(2)  # SIGINT: Ctrl-C
         interrupted = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=90)
     finally:
         proc.kill()
     # Both groups stopped at once: within their two timeouts, whatever the learners did.
