@@ -105,6 +105,19 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         "learners=3' (times from the first inner step); new slots join and fetch the global "
         "model, the newest slots leave cleanly (SIGTERM, final sync)",
     )
+    regions: str = Field(
+        "",
+        description="run across regions on this machine (needs root): 'us:2,eu:2' puts each "
+        "region's learners in a network namespace of its own, joined to a hub namespace "
+        "(Redis, the synchronizer replicas) by a link shaped as --link; the region counts "
+        "set --learners. Everything the run creates is removed when it ends",
+    )
+    link: str = Field(
+        "rate=100mbit",
+        description="with --regions: each region's link to the hub, 'rate=RATE[,delay=DELAY]'; "
+        "RATE (bit, kbit, mbit, gbit per second) caps each direction in the kernel (tbf), "
+        "DELAY (ms, s) is added one way by atoll's proxy in the hub",
+    )
     chaos: str = Field(
         "",
         description="faults to inject, 'KIND:key=value,...;...' with KIND learner-kill (mtbf, "

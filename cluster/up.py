@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 
+from cluster import regions
 from cluster.chaos import NETWORK_KINDS, ChaosError, Fault, parse, schedule
 from cluster.check import recommit_summary
 from cluster.export import export_model
@@ -81,9 +82,12 @@ def flags(model: Any, fields: Any) -> list[str]:
 
 
 class LocalCluster:
-    def __init__(self, settings: UpSettings, workdir: Path) -> None:
+    def __init__(
+        self, settings: UpSettings, workdir: Path, region_plan: regions.RegionPlan | None = None
+    ) -> None:
         self.s = settings
         self.workdir = workdir
+        self.regions = region_plan  # --regions: this process already runs in the hub
         self.redis: RedisServer | None = None
         self.redis_url = settings.redis_url
         self.synchronizers: list[SynchronizerChild] = []
@@ -263,15 +267,20 @@ class LocalCluster:
                 f"synchronizer-{i}",
                 [*job_args, "--log-level", "info", *tape_args],
                 security=security(None),
+                host=regions.HUB_ADDRESS if self.regions else "127.0.0.1",
             )
             self.synchronizers.append(child.start_and_wait())
         self.write_targets()
         addresses = ",".join(s.address for s in self.synchronizers)
-        if any(f.kind in NETWORK_KINDS for f in self.faults):
+        delay_s = self.regions.shape.delay_s if self.regions else 0.0
+        if any(f.kind in NETWORK_KINDS for f in self.faults) or delay_s > 0:
             upstreams = [
                 (a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addresses.split(",")
             ]
-            self.proxy = FaultProxy(self.s.learners, upstreams).start()
+            # With --regions the proxy sits in the hub, on its address: a learner's bytes
+            # cross its region's shaped link, then the proxy's delay and faults.
+            host = regions.HUB_ADDRESS if self.regions else "127.0.0.1"
+            self.proxy = FaultProxy(self.s.learners, upstreams, host, delay_s).start()
         speeds = self.s.speeds or [1.0] * self.s.learners
         if len(speeds) != self.s.learners:
             raise ValueError(f"--speeds gives {len(speeds)} values for {self.s.learners} learners")
@@ -346,6 +355,8 @@ class LocalCluster:
             *self.processes_args(),
         )
         env = child_env(self.s.threads, self.devices(i), accelerators=True)
+        if self.regions is not None:
+            args = self.regions.in_region(i, args)  # started inside its region's namespace
         return Child(name, args, self.workdir / f"{name}.log", env)
 
     def processes_args(self) -> list[str]:
@@ -458,6 +469,8 @@ class LocalCluster:
             parts.append("Redis")
         if self.proxy is not None:
             parts.append("the fault proxy")
+        if self.regions is not None:
+            parts.append(f"{len(self.regions.namespaces)} network namespaces")
         return ", ".join(parts)
 
     def unpublish_targets(self) -> None:
@@ -604,7 +617,7 @@ class LocalCluster:
             for i, c in enumerate(self.learners)
             if c.name not in reported
         }
-        return build_report(
+        report = build_report(
             settings=self.s.model_dump(),
             summaries=summaries,
             stats=state.stats,
@@ -619,6 +632,33 @@ class LocalCluster:
             unreported=unreported,
             recommits=recommit_summary(read_tape(self.s.tape)) if self.s.tape else None,
         )
+        if self.regions is not None:
+            report["regions"] = self.region_report(report["wall_seconds"])
+        return report
+
+    def region_report(self, wall_seconds: float) -> dict[str, Any]:
+        """Each region's link as the kernel counted it: bytes each way at the hub's end, the
+        bucket's drops, and the share of the link's capacity used over the run."""
+        assert self.regions is not None
+        counters = regions.measure(self.regions)
+        out: dict[str, Any] = {
+            "link": {
+                "rate_bits_s": self.regions.shape.rate_bits_s,
+                "delay_s": self.regions.shape.delay_s,
+            }
+        }
+        for link in self.regions.links:
+            taken = counters[link.region.name]
+            out[link.region.name] = {
+                "namespace": link.namespace,
+                "learners": [
+                    f"learner-{k}"
+                    for k in range(link.first_learner, link.first_learner + link.region.learners)
+                ],
+                **taken,
+                "utilisation": regions.utilisation(taken, self.regions.shape, wall_seconds),
+            }
+        return out
 
     def _close_tape(self, r: Any, logs: list[list[dict[str, Any]]]) -> None:
         """Write down commits no replica did (one killed between its commit and its line),
@@ -667,7 +707,61 @@ def refused(settings: UpSettings) -> str | None:
         return str(err)
     if settings.redis_url and "redis-restart" in (settings.chaos or ""):
         return "redis-restart needs the Redis atoll up starts; drop --redis-url"
+    if settings.regions:
+        return regions_refused(settings)
     return None
+
+
+def regions_refused(settings: UpSettings) -> str | None:
+    """What --regions cannot run with, and whether this process may make namespaces."""
+    try:
+        planned = sum(r.learners for r in regions.parse_regions(settings.regions))
+        regions.parse_link(settings.link)
+    except regions.RegionError as err:
+        return str(err)
+    if "learners" in settings.model_fields_set and settings.learners != planned:
+        return (
+            f"--regions {settings.regions!r} places {planned} learners, --learners says "
+            f"{settings.learners}; drop --learners (the regions set it)"
+        )
+    conflicts = {
+        "--redis-url": bool(settings.redis_url),  # the hub reaches no Redis outside it
+        "--tls": settings.tls,  # the certificates name loopback, not the hub's address
+        "--metrics": settings.metrics,  # Prometheus on the host cannot reach the hub
+        "--scale": bool(settings.scale),  # a new slot would have no region
+    }
+    for flag, on in conflicts.items():
+        if on:
+            return f"--regions runs the cluster in its own namespaces; drop {flag}"
+    return regions.refused()
+
+
+def make_regions(settings: UpSettings) -> regions.RegionPlan:
+    """Plan this run's regions (named after this process), clear the leftovers of runs that
+    were killed, make the namespaces and move this process into the hub."""
+    region_plan = regions.plan(
+        regions.parse_regions(settings.regions), regions.parse_link(settings.link), os.getpid()
+    )
+    for name in regions.sweep_stale():
+        print(f"atoll up: removed {name}, left by an atoll up that was killed", flush=True)
+    try:
+        regions.create(region_plan)
+        regions.enter(region_plan.hub)
+    except BaseException:  # a failed command, Ctrl-C: nothing half-made stays
+        regions.remove(region_plan)
+        raise
+    return region_plan
+
+
+def remove_regions(region_plan: regions.RegionPlan | None) -> None:
+    if region_plan is None:
+        return
+    left = regions.remove(region_plan)
+    if left:
+        print(
+            f"atoll up: could not remove {', '.join(left)}; remove with `ip netns delete NAME`",
+            file=sys.stderr,
+        )
 
 
 def run(settings: UpSettings) -> int:
@@ -675,14 +769,24 @@ def run(settings: UpSettings) -> int:
     if problem is not None:
         print(f"atoll up: {problem}", file=sys.stderr)
         return 2
+    if settings.regions:  # the regions set the learners
+        learners = sum(r.learners for r in regions.parse_regions(settings.regions))
+        settings = settings.model_copy(update={"learners": learners})
     workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="atoll-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    cluster = LocalCluster(settings, workdir)
 
     def on_signal(signum: int, _: FrameType | None) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
+    region_plan: regions.RegionPlan | None = None
+    if settings.regions:
+        try:
+            region_plan = make_regions(settings)
+        except (RuntimeError, KeyboardInterrupt) as err:
+            print(f"atoll up: {err or 'interrupted'}", file=sys.stderr)
+            return 1
+    cluster = LocalCluster(settings, workdir, region_plan)
     view = LiveView(settings.live and sys.stdout.isatty(), workdir)
     if settings.metrics:
         print(f"atoll up: Prometheus file_sd targets in {cluster.targets_path}", flush=True)
@@ -721,6 +825,7 @@ def run(settings: UpSettings) -> int:
     finally:
         cluster.unpublish_targets()  # first: a process being stopped is not a target down
         cluster.stop()
+        remove_regions(region_plan)  # after every process in them has exited
     view.final(report)
     if settings.plot is not None:
         from cluster.plot import plot_losses
