@@ -265,6 +265,7 @@ def link_counters(stats: dict[str, Any], qdisc: dict[str, Any]) -> dict[str, int
         "shaped_bytes_down": int(qdisc.get("bytes", 0)),
         "shaped_drops_down": int(qdisc.get("drops", 0)),
         "shaped_overlimits_down": int(qdisc.get("overlimits", 0)),
+        "shaped_rate_bits_s": int(qdisc.get("options", {}).get("rate", 0)) * 8,  # tc: bytes/s
     }
 
 
