@@ -165,3 +165,31 @@ def test_the_namespaces_of_a_killed_run_are_swept_and_live_ones_kept() -> None:
         regions.remove(theirs)
         regions.remove(mine)
     assert not set(mine.namespaces + theirs.namespaces) & set(regions.existing())
+
+
+def test_network_chaos_hits_a_regions_link_and_the_run_recovers(tmp_path: Path) -> None:
+    """--chaos with --regions: the fault proxy sits in the hub, on every learner's path after
+    its region's link; a partition of learner-0 (region us) cuts only its connections."""
+    report = tmp_path / "r.json"
+    proc = start(
+        tmp_path,
+        "--link", f"rate={RATE_BITS_S}bit,delay=20ms",
+        "--chaos", "net-partition:at=1s,for=3s,victim=0",
+        "--steps", "48", "--inner-steps", "8", "--report", str(report),
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert_nothing_left(proc, tmp_path)
+    result = json.loads(report.read_text())
+    assert result["invariants"]["ok"]
+    assert result["faults"]["injected"] == 1
+    assert result["regions"]["link"]["delay_s"] == 0.02
+    reconnects = {
+        s["learner"]: s["reconnects"]
+        for s in (json.loads(p.read_text()) for p in (tmp_path / "w").glob("*.summary.json"))
+    }
+    assert reconnects["learner-0"] > 0, reconnects
+    assert reconnects["learner-1"] == 0, reconnects
