@@ -121,7 +121,7 @@ def test_link_counters_and_utilisation_read_the_hub_end() -> None:
 
 
 def test_without_root_the_refusal_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(regions.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
     problem = regions.refused()
     assert problem is not None
     assert "needs root" in problem

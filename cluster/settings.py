@@ -118,6 +118,14 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         "RATE (bit, kbit, mbit, gbit per second) caps each direction in the kernel (tbf), "
         "DELAY (ms, s) is added one way by atoll's proxy in the hub",
     )
+    data_parallel: bool = Field(
+        False,
+        description="with --regions: the reference a race across regions needs, data-parallel "
+        "over the same links: one learner of one process per slot of the regions "
+        "(jax.distributed; gloo reduces gradients every step across the links), batch "
+        "learners x --batch-size split over them; run as sync mode with one fragment synced "
+        "once at the end, fp32 both ways, outer lr 1 and no momentum (the identity)",
+    )
     chaos: str = Field(
         "",
         description="faults to inject, 'KIND:key=value,...;...' with KIND learner-kill (mtbf, "

@@ -61,6 +61,7 @@ from services.tape import read as read_tape
 from synchronizer import inspect
 
 QUIET_BEFORE_STOP_S = 1.0
+COORDINATOR_PORT = 7777  # data-parallel's coordination service, in a fresh namespace
 LINGER_S = 600.0
 
 
@@ -92,6 +93,7 @@ class LocalCluster:
         self.redis_url = settings.redis_url
         self.synchronizers: list[SynchronizerChild] = []
         self.learners: list[Child] = []
+        self.followers: list[Child] = []  # --data-parallel: processes 1.. of its one learner
         self.started = time.time()
         self.faults: list[Fault] = []
         self.injected: list[dict[str, Any]] = []
@@ -294,6 +296,8 @@ class LocalCluster:
             learner = self.learner_child(i)
             self.learners.append(learner)
             self._launch(learner)
+        for k in range(1, self.data_parallel_processes()):
+            self.followers.append(self.follower_child(k).start())
 
     def learner_child(self, i: int) -> Child:
         """Learner slot i (not started): its synchronizers, data shard, speed and batch."""
@@ -359,8 +363,40 @@ class LocalCluster:
             args = self.regions.in_region(i, args)  # started inside its region's namespace
         return Child(name, args, self.workdir / f"{name}.log", env)
 
+    def data_parallel_processes(self) -> int:
+        """--data-parallel: one process per slot of the regions (0: not data-parallel)."""
+        return self.regions.learners if self.s.data_parallel and self.regions else 0
+
+    def data_parallel_args(self, k: int) -> list[str]:
+        """Process k of the data-parallel learner: process 0's coordination service on its
+        region's address; its own collectives on its own region's address."""
+        assert self.regions is not None
+        first = self.regions.of_learner(0).region_address
+        return [
+            "--processes", str(self.data_parallel_processes()),
+            "--process-id", str(k),
+            "--coordinator", f"{first}:{COORDINATOR_PORT}",
+            "--collectives-host", self.regions.of_learner(k).region_address,
+        ]  # fmt: skip
+
+    def follower_child(self, k: int) -> Child:
+        """Process k >= 1 of the data-parallel learner, in the region of slot k; its report
+        goes beside the leader's (learner/main.py names it)."""
+        assert self.regions is not None
+        leader = self.learners[0]
+        at = leader.args.index("--process-id") + 1
+        args = [*leader.args[:at], str(k), *leader.args[at + 1 :]]
+        at = args.index("--collectives-host") + 1
+        args[at] = self.regions.of_learner(k).region_address
+        ip_netns_exec = 4  # the leader's `ip netns exec NAMESPACE`, replaced by k's
+        args = self.regions.in_region(k, args[ip_netns_exec:])
+        name = f"learner-0.process-{k}"
+        return Child(name, args, self.workdir / f"{name}.log", dict(leader.env))
+
     def processes_args(self) -> list[str]:
         """A slot of several processes: its first starts the others (one GPU each)."""
+        if self.data_parallel_processes():
+            return self.data_parallel_args(0)
         n = self.s.processes_per_learner
         if n == 1:
             return []
@@ -522,6 +558,7 @@ class LocalCluster:
                     and c.process.returncode == -signal.SIGTERM
                 )
             ]
+            failed += [c for c in self.followers if c.process is not None and c.process.returncode]
             if failed:
                 raise RuntimeError(f"{failed[0].name} failed:\n{failed[0].tail()}")
             if not any(c.alive() for c in self.learners) and not self._down:
@@ -569,6 +606,7 @@ class LocalCluster:
         """Learners first (a learner told to stop still syncs its last steps), each group at
         once: the whole cluster stops within two timeouts, however many it has."""
         stop_all(self.learners)
+        stop_all(self.followers)
         stop_all(self.synchronizers)
         if self.proxy is not None:
             self.proxy.stop()
@@ -709,6 +747,8 @@ def refused(settings: UpSettings) -> str | None:
         return "redis-restart needs the Redis atoll up starts; drop --redis-url"
     if settings.regions:
         return regions_refused(settings)
+    if settings.data_parallel:
+        return "--data-parallel runs across --regions; add --regions, e.g. 'us:1,eu:1'"
     return None
 
 
@@ -733,7 +773,37 @@ def regions_refused(settings: UpSettings) -> str | None:
     for flag, on in conflicts.items():
         if on:
             return f"--regions runs the cluster in its own namespaces; drop {flag}"
+    if settings.data_parallel:
+        conflicts = {
+            "--chaos": bool(settings.chaos),  # a process of it restarted alone cannot rejoin
+            "--speeds": bool(settings.speeds),
+            "--batch-sizes": bool(settings.batch_sizes),
+            "--processes-per-learner": settings.processes_per_learner > 1,
+        }
+        for flag, on in conflicts.items():
+            if on:
+                return f"--data-parallel runs one learner of one process per slot; drop {flag}"
     return regions.refused()
+
+
+def data_parallel(settings: UpSettings) -> UpSettings:
+    """--data-parallel: one learner, the regions' slots its processes, the batch of all of
+    them, and a merge that is the identity (bench/runs.py's data-parallel reference)."""
+    return settings.model_copy(
+        update={
+            "learners": 1,
+            "batch_size": settings.learners * settings.batch_size,
+            "mode": "sync",
+            "fragments": 1,
+            "inner_steps": settings.steps,
+            "overlap_steps": 0,
+            "codec": "fp32",
+            "downlink_codec": "fp32",
+            "outer_lr": 1.0,
+            "outer_momentum": 0.0,
+            "quorum": 0,
+        }
+    )
 
 
 def make_regions(settings: UpSettings) -> regions.RegionPlan:
@@ -772,6 +842,8 @@ def run(settings: UpSettings) -> int:
     if settings.regions:  # the regions set the learners
         learners = sum(r.learners for r in regions.parse_regions(settings.regions))
         settings = settings.model_copy(update={"learners": learners})
+    if settings.data_parallel:
+        settings = data_parallel(settings)
     workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="atoll-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
 
