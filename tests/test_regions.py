@@ -193,3 +193,31 @@ def test_network_chaos_hits_a_regions_link_and_the_run_recovers(tmp_path: Path) 
     }
     assert reconnects["learner-0"] > 0, reconnects
     assert reconnects["learner-1"] == 0, reconnects
+
+
+def test_data_parallel_reduces_every_step_across_the_regions_links(tmp_path: Path) -> None:
+    """--data-parallel: one learner whose two processes sit in us and eu; its collectives
+    cross both shaped links every step, far more bytes than its one sync at the end."""
+    report = tmp_path / "r.json"
+    steps = 8
+    proc = start(
+        tmp_path, "--data-parallel", "--data-split", "windows",
+        "--steps", str(steps), "--report", str(report),
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert_nothing_left(proc, tmp_path)
+    result = json.loads(report.read_text())
+    assert result["invariants"]["ok"]
+    leader = json.loads((tmp_path / "w" / "learner-0.1.summary.json").read_text())
+    follower = json.loads((tmp_path / "w" / "learner-0.1.summary.process-1.json").read_text())
+    assert leader["steps"] == follower["steps"] == steps
+    assert leader["checksums"] == follower["checksums"]
+    to_synchronizer = leader["bytes"]["up"] + follower["bytes"]["up"]
+    for region in ("us", "eu"):
+        link = result["regions"][region]
+        assert link["bytes_up"] > 5 * to_synchronizer, (link, to_synchronizer)
+        assert link["bytes_down"] > 5 * to_synchronizer, (link, to_synchronizer)
