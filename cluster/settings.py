@@ -124,7 +124,8 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         "over the same links: one learner of one process per slot of the regions "
         "(jax.distributed; gloo reduces gradients every step across the links), batch "
         "learners x --batch-size split over them; run as sync mode with one fragment synced "
-        "once at the end, fp32 both ways, outer lr 1 and no momentum (the identity)",
+        "every --eval-every steps (else once, at the end), fp32 both ways, outer lr 1 and no "
+        "momentum (the identity: the global model evaluated is the learner's own)",
     )
     chaos: str = Field(
         "",

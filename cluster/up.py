@@ -788,14 +788,16 @@ def regions_refused(settings: UpSettings) -> str | None:
 
 def data_parallel(settings: UpSettings) -> UpSettings:
     """--data-parallel: one learner, the regions' slots its processes, the batch of all of
-    them, and a merge that is the identity (bench/runs.py's data-parallel reference)."""
+    them, and a merge that is the identity (bench/runs.py's data-parallel reference). It
+    syncs every --eval-every steps (else once, at the end): what is evaluated is the global
+    model, which through the identity merge is then the learner's own parameters."""
     return settings.model_copy(
         update={
             "learners": 1,
             "batch_size": settings.learners * settings.batch_size,
             "mode": "sync",
             "fragments": 1,
-            "inner_steps": settings.steps,
+            "inner_steps": min(settings.eval_every or settings.steps, settings.steps),
             "overlap_steps": 0,
             "codec": "fp32",
             "downlink_codec": "fp32",

@@ -13,9 +13,13 @@ def settings(**values: object) -> UpSettings:
 
 
 def test_data_parallel_is_one_learner_with_every_slots_batch_and_an_identity_merge() -> None:
-    dp = data_parallel(settings(learners=2, batch_size=8, steps=100, data_parallel=True))
+    dp = data_parallel(
+        settings(learners=2, batch_size=8, steps=100, eval_every=0, data_parallel=True)
+    )
     assert (dp.learners, dp.batch_size, dp.mode) == (1, 16, "sync")
     assert (dp.fragments, dp.inner_steps) == (1, 100)  # one sync, at the end
+    # Evaluated along the way: synced as often, so the global model is the learner's.
+    assert data_parallel(settings(steps=100, eval_every=20)).inner_steps == 20
     assert (dp.codec, dp.downlink_codec, dp.outer_lr, dp.outer_momentum) == (
         "fp32",
         "fp32",
