@@ -749,6 +749,8 @@ def refused(settings: UpSettings) -> str | None:
         return regions_refused(settings)
     if settings.data_parallel:
         return "--data-parallel runs across --regions; add --regions, e.g. 'us:1,eu:1'"
+    if "link" in settings.model_fields_set:
+        return "--link shapes the links of --regions; add --regions, e.g. 'us:1,eu:1'"
     return None
 
 
@@ -857,9 +859,12 @@ def run(settings: UpSettings) -> int:
     if settings.regions:
         try:
             region_plan = make_regions(settings)
-        except (RuntimeError, KeyboardInterrupt) as err:
-            print(f"atoll up: {err or 'interrupted'}", file=sys.stderr)
+        except RuntimeError as err:
+            print(f"atoll up: {err}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            print("atoll up: interrupted while making the regions; removed", file=sys.stderr)
+            return 130
     cluster = LocalCluster(settings, workdir, region_plan)
     view = LiveView(settings.live and sys.stdout.isatty(), workdir)
     if settings.metrics:

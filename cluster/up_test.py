@@ -32,6 +32,7 @@ def test_data_parallel_is_one_learner_with_every_slots_batch_and_an_identity_mer
     ("values", "says"),
     [
         ({"data_parallel": True}, "--data-parallel runs across --regions"),
+        ({"link": "rate=10mbit"}, "--link shapes the links of --regions"),
         ({"regions": "us:2", "learners": 3}, "places 2 learners, --learners says 3"),
         ({"regions": "us:1,eu:1", "tls": True}, "drop --tls"),
         ({"regions": "us:1", "redis_url": "redis://x:1/0"}, "drop --redis-url"),
