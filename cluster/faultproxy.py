@@ -38,9 +38,20 @@ class LinkState:
 
 
 class FaultProxy:
-    def __init__(self, learners: int, upstreams: Sequence[tuple[str, int]]) -> None:
+    """`host`: the address its proxies listen on (loopback; the hub's with --regions).
+    `delay_s`: each learner's delay when no fault is on (a region's link, --link delay=)."""
+
+    def __init__(
+        self,
+        learners: int,
+        upstreams: Sequence[tuple[str, int]],
+        host: str = "127.0.0.1",
+        delay_s: float = 0.0,
+    ) -> None:
         self.upstreams = list(upstreams)
-        self.links = [LinkState() for _ in range(learners)]
+        self.host = host
+        self.base_delay_s = delay_s
+        self.links = [LinkState(delay_s=delay_s) for _ in range(learners)]
         self.addresses: list[list[str]] = [[] for _ in range(learners)]
         self._loop = asyncio.new_event_loop()
         self._servers: list[asyncio.Server] = []
@@ -57,11 +68,11 @@ class FaultProxy:
         for learner in range(len(self.links)):
             for host, port in self.upstreams:
                 server = await asyncio.start_server(
-                    self._handler(learner, host, port), "127.0.0.1", 0
+                    self._handler(learner, host, port), self.host, 0
                 )
                 self._servers.append(server)
                 bound = server.sockets[0].getsockname()[1]
-                self.addresses[learner].append(f"127.0.0.1:{bound}")
+                self.addresses[learner].append(f"{self.host}:{bound}")
 
     def _handler(
         self, learner: int, host: str, port: int
@@ -106,11 +117,11 @@ class FaultProxy:
         self._loop.call_soon_threadsafe(apply)
 
     def heal(self, learner: int) -> None:
-        """Undo every fault on this learner's links."""
+        """Undo every fault on this learner's links (its link's own delay stays)."""
 
         def apply() -> None:
             link = self.links[learner]
-            link.delay_s, link.rate_bytes_s, link.partitioned = 0.0, 0.0, False
+            link.delay_s, link.rate_bytes_s, link.partitioned = self.base_delay_s, 0.0, False
 
         self._loop.call_soon_threadsafe(apply)
 

@@ -167,10 +167,11 @@ def wait_for_file(path: Path, child: Child, timeout_s: float = 60.0) -> dict[str
 class SynchronizerChild(Child):
     port: int = 0
     metrics_port: int = 0
+    host: str = "127.0.0.1"  # where it listens (and advertises)
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start_and_wait(self, timeout_s: float = 60.0) -> SynchronizerChild:
         port_file = self.log_path.with_suffix(".ports")
@@ -180,22 +181,27 @@ class SynchronizerChild(Child):
         self.port, self.metrics_port = ports["grpc"], ports["metrics"]
         # A restart comes back on the same address, where learners look for it.
         listen = self.args.index("--listen") + 1
-        self.args[listen] = f"127.0.0.1:{self.port}"
+        self.args[listen] = f"{self.host}:{self.port}"
         metrics = self.args.index("--metrics-listen") + 1  # and its /metrics, for Prometheus
         self.args[metrics] = f"127.0.0.1:{self.metrics_port}"
         return self
 
 
 def synchronizer_args(
-    port: int, redis_url: str, tensor_store: str, security: Sequence[str] = ("--insecure",)
+    port: int,
+    redis_url: str,
+    tensor_store: str,
+    security: Sequence[str] = ("--insecure",),
+    host: str = "127.0.0.1",
 ) -> list[str]:
-    """`atoll synchronizer` on a loopback port (0: any), metrics on any port, this Redis and
-    tensor store; plaintext (loopback) unless `security` gives TLS flags."""
+    """`atoll synchronizer` on a port of `host` (loopback by default; port 0: any), metrics
+    on any loopback port, this Redis and tensor store; plaintext unless `security` gives TLS
+    flags."""
     return [
         "synchronizer",
         *security,
         "--listen",
-        f"127.0.0.1:{port}",
+        f"{host}:{port}",
         "--metrics-listen",
         "127.0.0.1:0",
         "--redis-url",
@@ -213,15 +219,19 @@ def synchronizer_child(
     port: int = 0,
     tensor_store: Path | None = None,
     security: Sequence[str] = ("--insecure",),
+    host: str = "127.0.0.1",
 ) -> SynchronizerChild:
     """A replica; replicas of one workdir share its `tensors` folder as their tensor store."""
     log_path = workdir / f"{replica}.log"
+    tensors = str(tensor_store or workdir / "tensors")
     args = atoll_command(
-        *synchronizer_args(port, redis_url, str(tensor_store or workdir / "tensors"), security),
+        *synchronizer_args(port, redis_url, tensors, security, host),
         "--replica-id",
         replica,
         "--port-file",
         str(log_path.with_suffix(".ports")),
         *job_args,
     )
-    return SynchronizerChild(name=replica, args=args, log_path=log_path, env=child_env(1))
+    return SynchronizerChild(
+        name=replica, args=args, log_path=log_path, env=child_env(1), host=host
+    )

@@ -105,6 +105,28 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         "learners=3' (times from the first inner step); new slots join and fetch the global "
         "model, the newest slots leave cleanly (SIGTERM, final sync)",
     )
+    regions: str = Field(
+        "",
+        description="run across regions on this machine (needs root): 'us:2,eu:2' puts each "
+        "region's learners in a network namespace of its own, joined to a hub namespace "
+        "(Redis, the synchronizer replicas) by a link shaped as --link; the region counts "
+        "set --learners. Everything the run creates is removed when it ends",
+    )
+    link: str = Field(
+        "rate=100mbit",
+        description="with --regions: each region's link to the hub, 'rate=RATE[,delay=DELAY]'; "
+        "RATE (bit, kbit, mbit, gbit per second) caps each direction in the kernel (tbf), "
+        "DELAY (ms, s) is added one way by atoll's proxy in the hub",
+    )
+    data_parallel: bool = Field(
+        False,
+        description="with --regions: the reference a race across regions needs, data-parallel "
+        "over the same links: one learner of one process per slot of the regions "
+        "(jax.distributed; gloo reduces gradients every step across the links), batch "
+        "learners x --batch-size split over them; run as sync mode with one fragment synced "
+        "every --eval-every steps (else once, at the end), fp32 both ways, outer lr 1 and no "
+        "momentum (the identity: the global model evaluated is the learner's own)",
+    )
     chaos: str = Field(
         "",
         description="faults to inject, 'KIND:key=value,...;...' with KIND learner-kill (mtbf, "

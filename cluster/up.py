@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 
+from cluster import regions
 from cluster.chaos import NETWORK_KINDS, ChaosError, Fault, parse, schedule
 from cluster.check import recommit_summary
 from cluster.export import export_model
@@ -60,6 +61,7 @@ from services.tape import read as read_tape
 from synchronizer import inspect
 
 QUIET_BEFORE_STOP_S = 1.0
+COORDINATOR_PORT = 7777  # data-parallel's coordination service, in a fresh namespace
 LINGER_S = 600.0
 
 
@@ -81,13 +83,17 @@ def flags(model: Any, fields: Any) -> list[str]:
 
 
 class LocalCluster:
-    def __init__(self, settings: UpSettings, workdir: Path) -> None:
+    def __init__(
+        self, settings: UpSettings, workdir: Path, region_plan: regions.RegionPlan | None = None
+    ) -> None:
         self.s = settings
         self.workdir = workdir
+        self.regions = region_plan  # --regions: this process already runs in the hub
         self.redis: RedisServer | None = None
         self.redis_url = settings.redis_url
         self.synchronizers: list[SynchronizerChild] = []
         self.learners: list[Child] = []
+        self.followers: list[Child] = []  # --data-parallel: processes 1.. of its one learner
         self.started = time.time()
         self.faults: list[Fault] = []
         self.injected: list[dict[str, Any]] = []
@@ -265,15 +271,20 @@ class LocalCluster:
                 f"synchronizer-{i}",
                 [*job_args, "--log-level", "info", *tape_args],
                 security=security(None),
+                host=regions.HUB_ADDRESS if self.regions else "127.0.0.1",
             )
             self.synchronizers.append(child.start_and_wait())
         self.write_targets()
         addresses = ",".join(s.address for s in self.synchronizers)
-        if any(f.kind in NETWORK_KINDS for f in self.faults):
+        delay_s = self.regions.shape.delay_s if self.regions else 0.0
+        if any(f.kind in NETWORK_KINDS for f in self.faults) or delay_s > 0:
             upstreams = [
                 (a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addresses.split(",")
             ]
-            self.proxy = FaultProxy(self.s.learners, upstreams).start()
+            # With --regions the proxy sits in the hub, on its address: a learner's bytes
+            # cross its region's shaped link, then the proxy's delay and faults.
+            host = regions.HUB_ADDRESS if self.regions else "127.0.0.1"
+            self.proxy = FaultProxy(self.s.learners, upstreams, host, delay_s).start()
         speeds = self.s.speeds or [1.0] * self.s.learners
         if len(speeds) != self.s.learners:
             raise ValueError(f"--speeds gives {len(speeds)} values for {self.s.learners} learners")
@@ -287,6 +298,8 @@ class LocalCluster:
             learner = self.learner_child(i)
             self.learners.append(learner)
             self._launch(learner)
+        for k in range(1, self.data_parallel_processes()):
+            self.followers.append(self.follower_child(k).start())
 
     def learner_child(self, i: int) -> Child:
         """Learner slot i (not started): its synchronizers, data shard, speed and batch."""
@@ -348,10 +361,44 @@ class LocalCluster:
             *self.processes_args(),
         )
         env = child_env(self.s.threads, self.devices(i), accelerators=True)
+        if self.regions is not None:
+            args = self.regions.in_region(i, args)  # started inside its region's namespace
         return Child(name, args, self.workdir / f"{name}.log", env)
+
+    def data_parallel_processes(self) -> int:
+        """--data-parallel: one process per slot of the regions (0: not data-parallel)."""
+        return self.regions.learners if self.s.data_parallel and self.regions else 0
+
+    def data_parallel_args(self, k: int) -> list[str]:
+        """Process k of the data-parallel learner: process 0's coordination service on its
+        region's address; its own collectives on its own region's address."""
+        assert self.regions is not None
+        first = self.regions.of_learner(0).region_address
+        return [
+            "--processes", str(self.data_parallel_processes()),
+            "--process-id", str(k),
+            "--coordinator", f"{first}:{COORDINATOR_PORT}",
+            "--collectives-host", self.regions.of_learner(k).region_address,
+        ]  # fmt: skip
+
+    def follower_child(self, k: int) -> Child:
+        """Process k >= 1 of the data-parallel learner, in the region of slot k; its report
+        goes beside the leader's (learner/main.py names it)."""
+        assert self.regions is not None
+        leader = self.learners[0]
+        at = leader.args.index("--process-id") + 1
+        args = [*leader.args[:at], str(k), *leader.args[at + 1 :]]
+        at = args.index("--collectives-host") + 1
+        args[at] = self.regions.of_learner(k).region_address
+        ip_netns_exec = 4  # the leader's `ip netns exec NAMESPACE`, replaced by k's
+        args = self.regions.in_region(k, args[ip_netns_exec:])
+        name = f"learner-0.process-{k}"
+        return Child(name, args, self.workdir / f"{name}.log", dict(leader.env))
 
     def processes_args(self) -> list[str]:
         """A slot of several processes: its first starts the others (one GPU each)."""
+        if self.data_parallel_processes():
+            return self.data_parallel_args(0)
         n = self.s.processes_per_learner
         if n == 1:
             return []
@@ -460,6 +507,8 @@ class LocalCluster:
             parts.append("Redis")
         if self.proxy is not None:
             parts.append("the fault proxy")
+        if self.regions is not None:
+            parts.append(f"{len(self.regions.namespaces)} network namespaces")
         return ", ".join(parts)
 
     def unpublish_targets(self) -> None:
@@ -511,6 +560,7 @@ class LocalCluster:
                     and c.process.returncode == -signal.SIGTERM
                 )
             ]
+            failed += [c for c in self.followers if c.process is not None and c.process.returncode]
             if failed:
                 raise RuntimeError(f"{failed[0].name} failed:\n{failed[0].tail()}")
             if not any(c.alive() for c in self.learners) and not self._down:
@@ -558,6 +608,7 @@ class LocalCluster:
         """Learners first (a learner told to stop still syncs its last steps), each group at
         once: the whole cluster stops within two timeouts, however many it has."""
         stop_all(self.learners)
+        stop_all(self.followers)
         stop_all(self.synchronizers)
         if self.proxy is not None:
             self.proxy.stop()
@@ -606,7 +657,7 @@ class LocalCluster:
             for i, c in enumerate(self.learners)
             if c.name not in reported
         }
-        return build_report(
+        report = build_report(
             settings=self.s.model_dump(),
             summaries=summaries,
             stats=state.stats,
@@ -621,6 +672,33 @@ class LocalCluster:
             unreported=unreported,
             recommits=recommit_summary(read_tape(self.s.tape)) if self.s.tape else None,
         )
+        if self.regions is not None:
+            report["regions"] = self.region_report(report["wall_seconds"])
+        return report
+
+    def region_report(self, wall_seconds: float) -> dict[str, Any]:
+        """Each region's link as the kernel counted it: bytes each way at the hub's end, the
+        bucket's drops, and the share of the link's capacity used over the run."""
+        assert self.regions is not None
+        counters = regions.measure(self.regions)
+        out: dict[str, Any] = {
+            "link": {
+                "rate_bits_s": self.regions.shape.rate_bits_s,
+                "delay_s": self.regions.shape.delay_s,
+            }
+        }
+        for link in self.regions.links:
+            taken = counters[link.region.name]
+            out[link.region.name] = {
+                "namespace": link.namespace,
+                "learners": [
+                    f"learner-{k}"
+                    for k in range(link.first_learner, link.first_learner + link.region.learners)
+                ],
+                **taken,
+                "utilisation": regions.utilisation(taken, self.regions.shape, wall_seconds),
+            }
+        return out
 
     def _close_tape(self, r: Any, logs: list[list[dict[str, Any]]]) -> None:
         """Write down commits no replica did (one killed between its commit and its line),
@@ -669,7 +747,97 @@ def refused(settings: UpSettings) -> str | None:
         return str(err)
     if settings.redis_url and "redis-restart" in (settings.chaos or ""):
         return "redis-restart needs the Redis atoll up starts; drop --redis-url"
+    if settings.regions:
+        return regions_refused(settings)
+    if settings.data_parallel:
+        return "--data-parallel runs across --regions; add --regions, e.g. 'us:1,eu:1'"
+    if "link" in settings.model_fields_set:
+        return "--link shapes the links of --regions; add --regions, e.g. 'us:1,eu:1'"
     return None
+
+
+def regions_refused(settings: UpSettings) -> str | None:
+    """What --regions cannot run with, and whether this process may make namespaces."""
+    try:
+        planned = sum(r.learners for r in regions.parse_regions(settings.regions))
+        regions.parse_link(settings.link)
+    except regions.RegionError as err:
+        return str(err)
+    if "learners" in settings.model_fields_set and settings.learners != planned:
+        return (
+            f"--regions {settings.regions!r} places {planned} learners, --learners says "
+            f"{settings.learners}; drop --learners (the regions set it)"
+        )
+    conflicts = {
+        "--redis-url": bool(settings.redis_url),  # the hub reaches no Redis outside it
+        "--tls": settings.tls,  # the certificates name loopback, not the hub's address
+        "--metrics": settings.metrics,  # Prometheus on the host cannot reach the hub
+        "--scale": bool(settings.scale),  # a new slot would have no region
+    }
+    for flag, on in conflicts.items():
+        if on:
+            return f"--regions runs the cluster in its own namespaces; drop {flag}"
+    if settings.data_parallel:
+        conflicts = {
+            "--chaos": bool(settings.chaos),  # a process of it restarted alone cannot rejoin
+            "--speeds": bool(settings.speeds),
+            "--batch-sizes": bool(settings.batch_sizes),
+            "--processes-per-learner": settings.processes_per_learner > 1,
+        }
+        for flag, on in conflicts.items():
+            if on:
+                return f"--data-parallel runs one learner of one process per slot; drop {flag}"
+    return regions.refused()
+
+
+def data_parallel(settings: UpSettings) -> UpSettings:
+    """--data-parallel: one learner, the regions' slots its processes, the batch of all of
+    them, and a merge that is the identity (bench/runs.py's data-parallel reference). It
+    syncs every --eval-every steps (else once, at the end): what is evaluated is the global
+    model, which through the identity merge is then the learner's own parameters."""
+    return settings.model_copy(
+        update={
+            "learners": 1,
+            "batch_size": settings.learners * settings.batch_size,
+            "mode": "sync",
+            "fragments": 1,
+            "inner_steps": min(settings.eval_every or settings.steps, settings.steps),
+            "overlap_steps": 0,
+            "codec": "fp32",
+            "downlink_codec": "fp32",
+            "outer_lr": 1.0,
+            "outer_momentum": 0.0,
+            "quorum": 0,
+        }
+    )
+
+
+def make_regions(settings: UpSettings) -> regions.RegionPlan:
+    """Plan this run's regions (named after this process), clear the leftovers of runs that
+    were killed, make the namespaces and move this process into the hub."""
+    region_plan = regions.plan(
+        regions.parse_regions(settings.regions), regions.parse_link(settings.link), os.getpid()
+    )
+    for name in regions.sweep_stale():
+        print(f"atoll up: removed {name}, left by an atoll up that was killed", flush=True)
+    try:
+        regions.create(region_plan)
+        regions.enter(region_plan.hub)
+    except BaseException:  # a failed command, Ctrl-C: nothing half-made stays
+        regions.remove(region_plan)
+        raise
+    return region_plan
+
+
+def remove_regions(region_plan: regions.RegionPlan | None) -> None:
+    if region_plan is None:
+        return
+    left = regions.remove(region_plan)
+    if left:
+        print(
+            f"atoll up: could not remove {', '.join(left)}; remove with `ip netns delete NAME`",
+            file=sys.stderr,
+        )
 
 
 def run(settings: UpSettings) -> int:
@@ -677,14 +845,29 @@ def run(settings: UpSettings) -> int:
     if problem is not None:
         print(f"atoll up: {problem}", file=sys.stderr)
         return 2
+    if settings.regions:  # the regions set the learners
+        learners = sum(r.learners for r in regions.parse_regions(settings.regions))
+        settings = settings.model_copy(update={"learners": learners})
+    if settings.data_parallel:
+        settings = data_parallel(settings)
     workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="atoll-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    cluster = LocalCluster(settings, workdir)
 
     def on_signal(signum: int, _: FrameType | None) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
+    region_plan: regions.RegionPlan | None = None
+    if settings.regions:
+        try:
+            region_plan = make_regions(settings)
+        except RuntimeError as err:
+            print(f"atoll up: {err}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("atoll up: interrupted while making the regions; removed", file=sys.stderr)
+            return 130
+    cluster = LocalCluster(settings, workdir, region_plan)
     view = LiveView(settings.live and sys.stdout.isatty(), workdir)
     if settings.metrics:
         print(f"atoll up: Prometheus file_sd targets in {cluster.targets_path}", flush=True)
@@ -723,6 +906,7 @@ def run(settings: UpSettings) -> int:
     finally:
         cluster.unpublish_targets()  # first: a process being stopped is not a target down
         cluster.stop()
+        remove_regions(region_plan)  # after every process in them has exited
     view.final(report)
     if settings.plot is not None:
         from cluster.plot import plot_losses

@@ -77,10 +77,14 @@ class Group:
         self.store.key_value_delete(f"atoll/{key}")
 
 
-def start(coordinator: str, processes: int, process_id: int | None) -> Group:
+def start(
+    coordinator: str, processes: int, process_id: int | None, collectives_host: str = ""
+) -> Group:
     """Join the learner's processes (`jax.distributed`); a learner of one process joins
     nothing. `coordinator` HOST:PORT is process 0's; empty: JAX finds the cluster itself
-    (SLURM, Open MPI, a TPU slice, Kubernetes). Must run before JAX's first computation."""
+    (SLURM, Open MPI, a TPU slice, Kubernetes). `collectives_host`: the address gloo binds
+    and advertises (default: this host's name, which inside a network namespace may name
+    an address the namespace does not have). Must run before JAX's first computation."""
     if processes <= 1:
         return Group(0, 1)
     import jax
@@ -88,6 +92,8 @@ def start(coordinator: str, processes: int, process_id: int | None) -> Group:
 
     # Processes on CPUs (tests, a laptop) reach each other's devices through gloo.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
+    if collectives_host:
+        bind_collectives(collectives_host)
     jax.distributed.initialize(
         coordinator_address=coordinator or None,
         num_processes=processes,
@@ -98,6 +104,17 @@ def start(coordinator: str, processes: int, process_id: int | None) -> Group:
     group = Group(jax.process_index(), jax.process_count(), client)
     log.info("processes_joined", process=group.process, processes=group.count)
     return group
+
+
+def bind_collectives(host: str) -> None:
+    """Make JAX's CPU client build its gloo collectives on `host`: JAX offers no setting for
+    it, so the factory its backend calls is given the address."""
+    import functools
+
+    from jax._src.lib import _jax  # type: ignore[attr-defined]  # xla_bridge calls this
+
+    factory = _jax.make_gloo_tcp_collectives
+    _jax.make_gloo_tcp_collectives = functools.partial(factory, hostname=host)
 
 
 def gpu_ids() -> list[str]:

@@ -50,7 +50,9 @@ def start_processes(settings: LearnerSettings) -> tuple[LearnerSettings, Group, 
         coordinator = settings.coordinator or group.free_address()
         children = group.spawn_followers(settings.processes, coordinator)
         settings = settings.model_copy(update={"coordinator": coordinator, "process_id": 0})
-    joined = group.start(settings.coordinator, settings.processes, settings.process_id)
+    joined = group.start(
+        settings.coordinator, settings.processes, settings.process_id, settings.collectives_host
+    )
     if joined.many:
         report = settings.report
         if report is not None and not joined.leader:

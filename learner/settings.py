@@ -209,6 +209,12 @@ class LearnerSettings(ModelConfig, AtollSettings):
         description="HOST:PORT of process 0's coordination service, the same for every "
         "process; empty: from the cluster, or a free local port with --local-processes",
     )
+    collectives_host: str = Field(
+        "",
+        description="the address this process's CPU collectives (gloo) listen on and give the "
+        "other processes; default: what this host's name resolves to (set it where that "
+        "address is not this process's, e.g. in a network namespace)",
+    )
     local_processes: bool = Field(
         False,
         description="start the other --processes - 1 processes on this machine, each on one "

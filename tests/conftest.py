@@ -32,6 +32,7 @@ WHOLE_CLUSTERS = frozenset(
         "test_multiprocess_learner",
         "test_own_loop",
         "test_prometheus",
+        "test_regions",
         "test_scale",
         "test_up",
     }
