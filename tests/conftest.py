@@ -79,6 +79,12 @@ def spawn_synchronizer(tmp_path: Path, redis_server: RedisServer) -> Iterator[Sp
     children: list[SynchronizerChild] = []
 
     def spawn(*job_args: str, replica: str | None = None, port: int = 0) -> SynchronizerChild:
+        # These tests' clients are not learners on a schedule: they send whichever fragment
+        # they please and no step times, so a round of every live learner would wait out the
+        # cap for ones that never come. Each update is its own round unless a test says (the
+        # every-learner default is tested by the rounds' unit tests and the clusters).
+        if "--quorum" not in job_args:
+            job_args = ("--quorum", "1", *job_args)
         name = replica or f"sync-{len(children)}"
         child = synchronizer_child(tmp_path, redis_server.url, name, job_args, port=port)
         children.append(child)

@@ -274,7 +274,7 @@ def tls_synchronizer(
         tmp_path,
         redis_server.url,
         "sync-tls",
-        ["--fragments", str(P), "--grace-seconds", "0", *flags],
+        ["--fragments", str(P), "--grace-seconds", "0", "--quorum", "1", *flags],
         security=[*security, "--tls-ca", str(files.ca)],
     ).start_and_wait()
 
