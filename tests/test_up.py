@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -245,6 +246,9 @@ def test_ctrl_c_says_what_it_stops_stops_it_and_unpublishes_the_targets(tmp_path
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal: the test's own process (a pytest-xdist worker) ignores SIGINT,
+        # and a child inherits that; a Ctrl-C at a terminal is not ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
