@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import CliApp, CliSubCommand
 
+from learner.data import MAX_CORPUS_BYTES
 from services.config import AtollSettings
 
 
@@ -213,7 +214,7 @@ class QualityBench(_Model, _Output):
         "project's sources): every run's final model is scored on it too",
     )
     max_corpus_bytes: int = Field(
-        256 << 20,
+        MAX_CORPUS_BYTES,
         ge=1 << 10,
         description="training text read, the same first bytes of the files for every run "
         "(the result says when it cut the text)",

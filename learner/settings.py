@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from learner.data import MAX_CORPUS_BYTES, DataSplit
 from services.config import AtollSettings
 
 
@@ -44,7 +45,7 @@ class ModelConfig(BaseModel):
         description="text files or folders to evaluate on (never trained on); empty: every "
         "50th file of --data is held out",
     )
-    data_split: Literal["files", "windows"] = Field(
+    data_split: DataSplit = Field(
         "files",
         description="how learners share the training text. files: each reads its own files "
         "(every --num-shards-th; what pods of a pool reading a large corpus do); windows: "
@@ -53,7 +54,7 @@ class ModelConfig(BaseModel):
         "quality comparison needs)",
     )
     max_corpus_bytes: int = Field(
-        256 << 20,
+        MAX_CORPUS_BYTES,
         ge=1 << 10,
         description="read at most about this many bytes of training text per learner, in file "
         "order (the learner's summary says whether it cut any)",
