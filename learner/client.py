@@ -606,19 +606,24 @@ class SynchronizerClient:
     def _next_to_send(self) -> tuple[_Outgoing, session_pb2.FragmentOwner] | None:
         """The oldest update that its fragment's current owner may not hold and that is not
         waiting out a failed send's backoff (under lock). One received under a later epoch
-        than the owner map's is held: the map is behind."""
+        than the owner map's is held: the map is behind.
+
+        A fragment's updates go in the order they were made: a later one waits while an
+        earlier one is in flight or backing off. An owner takes one update of a learner per
+        open round, so a later update sent first would push the earlier one a round back."""
         now = time.monotonic()
+        waiting: set[int] = set()  # fragments with an earlier update not yet received
         for seq in sorted(self._unacked):
             out = self._unacked[seq]
             owner = self.owners.get(out.fragment)
-            if (
-                owner is None
-                or seq in self._sending
-                or not out.chunks  # others send it
-                or out.not_before > now
-            ):
+            if owner is None or not out.chunks:  # no owner yet, or others send it
                 continue
-            if out.received_epoch is None or out.received_epoch < owner.epoch:
+            if out.received_epoch is not None and out.received_epoch >= owner.epoch:
+                continue
+            if out.fragment in waiting:
+                continue
+            waiting.add(out.fragment)
+            if seq not in self._sending and out.not_before <= now:
                 return out, owner
         return None
 
@@ -982,7 +987,15 @@ class SynchronizerClient:
 
     def _on_owners(self, owners: Sequence[session_pb2.FragmentOwner]) -> None:
         with self._lock:
+            before = self.owners
             self.owners = {o.fragment: o for o in owners}
+            # A failed send's backoff waited for the old owner: a new one is tried at once.
+            for out in self._unacked.values():
+                old, new = before.get(out.fragment), self.owners.get(out.fragment)
+                if new is not None and (
+                    old is None or (old.epoch, old.address) != (new.epoch, new.address)
+                ):
+                    out.retries, out.not_before = None, 0.0
             self._follow_owners()
             self._lock.notify_all()
 
