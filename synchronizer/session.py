@@ -37,7 +37,7 @@ from synchronizer.admission import (
     spec_digest,
 )
 from synchronizer.ownership import Ownership
-from synchronizer.store import ControlStore
+from synchronizer.store import ControlStore, SessionReopened
 from synchronizer.tensors import TensorStore
 from synchronizer.values import RebuiltValues, float32_bytes
 
@@ -112,10 +112,18 @@ def busy(slot: str) -> SessionClosed:
     )
 
 
+# A session whose learner opened a newer one (it reconnected) ends with this.
+REOPENED = SessionClosed(
+    grpc.StatusCode.UNAVAILABLE,
+    "this learner opened a newer session (it reconnected); this one ends",
+)
+
+
 @dataclass
 class Connection:
     learner: str
     incarnation: str
+    session: int = 0  # the slot's count of hellos when this one opened (`lua/hello.lua`)
     outbox: asyncio.Queue[session_pb2.SynchronizerMessage | SessionClosed | None] = field(
         default_factory=asyncio.Queue
     )
@@ -231,6 +239,9 @@ class Sessions:
         # This session's lines (and its reader task's) name the learner once, here.
         structlog.contextvars.bind_contextvars(learner=conn.learner, incarnation=conn.incarnation)
         key = conn.prefix
+        replaced = self.connections.get(key)
+        if replaced is not None:
+            replaced.outbox.put_nowait(REOPENED)
         self.connections[key] = conn
         tm.LEARNERS_CONNECTED.set(len(self.connections))
         reader = asyncio.create_task(self._read(conn, request_iterator))
@@ -251,7 +262,7 @@ class Sessions:
                 del self.connections[key]
                 # The slot's session ended here: a new one may start at once.
                 with contextlib.suppress(Exception):
-                    await self.store.leave(conn.learner, conn.incarnation)
+                    await self.store.leave(conn.learner, conn.incarnation, conn.session)
             tm.LEARNERS_CONNECTED.set(len(self.connections))
             log.info("learner_left", learner=conn.learner, incarnation=conn.incarnation)
 
@@ -272,7 +283,10 @@ class Sessions:
         except auth.AuthError as err:
             raise SessionClosed(err.code, err.details) from None
         slot = hello.learner_id
-        if slot in self._greeting or any(c.learner == slot for c in self.connections.values()):
+        # One session per slot; the same incarnation again is that learner reconnecting (its
+        # old stream broke without this side seeing it yet): its new session replaces the old.
+        others = (c for c in self.connections.values() if c.learner == slot)
+        if slot in self._greeting or any(c.incarnation != hello.incarnation for c in others):
             raise busy(slot)
         self._greeting.add(slot)
         try:
@@ -348,6 +362,7 @@ class Sessions:
         conn = Connection(
             hello.learner_id,
             hello.incarnation,
+            session=joined.session,
             told_versions=dict(enumerate(versions)),
             notified=dict(enumerate(versions)),
             notices=hello.version_notices,
@@ -411,7 +426,7 @@ class Sessions:
                         )
                     )
                     return
-            await self.store.leave(conn.learner, conn.incarnation)
+            await self.store.leave(conn.learner, conn.incarnation, conn.session)
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
         except Exception as err:  # a broken store must not kill the replica
@@ -440,20 +455,25 @@ class Sessions:
                 max_steps_per_s=rate,
                 hint="raise --max-steps-per-s if this learner really steps this fast",
             )
-        steps_done = await self.store.heartbeat(
-            conn.learner,
-            conn.incarnation,
-            self.settings.lease_ttl_s,
-            int(counted),
-            step=float(hb.step),
-            ema=hb.step_time_ema_s,
-            tokens_s=hb.tokens_per_s,
-            loss=hb.loss if math.isfinite(hb.loss) else -1.0,
-            eval_loss=hb.eval_loss if math.isfinite(hb.eval_loss) else -1.0,
-            done=1.0 if hb.done else 0.0,
-            last_sent=1.0 if hb.last_sent or hb.done else 0.0,
-            still_to_send=list(hb.still_to_send) if hb.finishing and not hb.last_sent else None,
-        )
+        try:
+            steps_done = await self.store.heartbeat(
+                conn.learner,
+                conn.incarnation,
+                conn.session,
+                self.settings.lease_ttl_s,
+                int(counted),
+                step=float(hb.step),
+                ema=hb.step_time_ema_s,
+                tokens_s=hb.tokens_per_s,
+                loss=hb.loss if math.isfinite(hb.loss) else -1.0,
+                eval_loss=hb.eval_loss if math.isfinite(hb.eval_loss) else -1.0,
+                done=1.0 if hb.done else 0.0,
+                last_sent=1.0 if hb.last_sent or hb.done else 0.0,
+                still_to_send=list(hb.still_to_send) if hb.finishing and not hb.last_sent else None,
+            )
+        except SessionReopened:
+            conn.outbox.put_nowait(REOPENED)
+            return False
         if steps_done is None:
             conn.outbox.put_nowait(
                 SessionClosed(

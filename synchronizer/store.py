@@ -63,6 +63,11 @@ class Hello:
     initializer: bool  # the job has no parameters yet and this learner is to send them
     counted_steps: int = 0  # the slot's steps toward the job's budget, as counted now
     steps_done: int = 0  # the job's steps over all slots, as counted now
+    session: int = 0  # the slot's count of hellos: this session's number
+
+
+class SessionReopened(Exception):
+    """The learner's incarnation opened a newer session (it reconnected): this one ends."""
 
 
 @dataclass(frozen=True)
@@ -221,18 +226,23 @@ class ControlStore:
         )
         if _s(reply[0]) != "ok":
             return Hello(_s(reply[0]), "", False)
-        return Hello("ok", _s(reply[1]), bool(int(reply[2])), int(reply[3]), int(reply[4]))
+        return Hello(
+            "ok", _s(reply[1]), bool(int(reply[2])), int(reply[3]), int(reply[4]), int(reply[5])
+        )
 
     async def heartbeat(
         self,
         learner: str,
         incarnation: str,
+        session: int,
         ttl_s: float,
         counted: int,
         still_to_send: list[int] | None = None,
         **fields: float,
     ) -> int | None:
-        """Renew the lease; return the job's steps over all slots, None if not renewed.
+        """Renew the lease; return the job's steps over all slots, None if not renewed (a
+        newer incarnation holds the slot). Raises SessionReopened when this incarnation
+        opened a newer session.
         `still_to_send`: finishing, with these fragments' updates still to come (None: not);
         `counted`: the slot's steps toward the budget (its claimed `step`, bounded)."""
         args: list[Any] = [learner, incarnation, int(ttl_s * 1000)]
@@ -243,14 +253,19 @@ class ControlStore:
             "".join(f",{p}" for p in still_to_send) + "," if still_to_send is not None else ""
         )
         args.append(counted)
+        args.append(session)
         k = self.keys
         keys = [k.learners, k.learner(learner), k.ema, k.slot_steps, k.finished, k.finishing]
         total = int(await self._run("heartbeat", keys, args))
+        if total == -2:
+            raise SessionReopened(learner)
         return None if total < 0 else total
 
-    async def leave(self, learner: str, incarnation: str) -> None:
+    async def leave(self, learner: str, incarnation: str, session: int) -> None:
         await self._run(
-            "leave", [self.keys.learners, self.keys.learner(learner)], [learner, incarnation]
+            "leave",
+            [self.keys.learners, self.keys.learner(learner)],
+            [learner, incarnation, session],
         )
 
     async def live(self) -> Live:

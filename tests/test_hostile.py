@@ -344,9 +344,6 @@ def test_identity_takeover_is_refused_and_the_first_session_keeps_running(
     assert session_refusal(sync.address, [hello("l0")], bearer("l0")) == (
         grpc.StatusCode.ALREADY_EXISTS
     )
-    # The same incarnation again: refused too.
-    again = hello("l0", incarnation=c.incarnation)
-    assert session_refusal(sync.address, [again], bearer("l0")) == grpc.StatusCode.ALREADY_EXISTS
     # Following as l0 with another slot's token is refused too (it would end l0's own
     # Follow calls). One naming no slot (a learner older than the replica) follows as the
     # one slot its credential names: taken, it streams until its deadline.
@@ -375,6 +372,32 @@ def test_identity_takeover_is_refused_and_the_first_session_keeps_running(
             assert ended.value.code() == code
     assert snapshot(r) == before
     c.check()
+    still_merges(c, r)
+
+
+def test_the_same_incarnation_saying_hello_again_reconnects_at_once(
+    job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
+) -> None:
+    """A hello of the live session's own incarnation is that learner reconnecting (its
+    replica died, its stream broke): it is welcomed at once, not a lease later, and the old
+    session ends at its next heartbeat. Only the process that made the incarnation knows it
+    (it travels to the synchronizer alone)."""
+    sync, c, r = job
+    ended = threading.Event()
+
+    def requests() -> Iterator[session_pb2.LearnerMessage]:
+        yield hello("l0", incarnation=c.incarnation)
+        ended.wait(10)
+
+    with session_call(sync.address) as session:
+        call = session(requests(), metadata=bearer("l0"), timeout=10)
+        try:
+            assert next(iter(call)).WhichOneof("kind") == "welcome"
+        finally:
+            ended.set()
+            call.cancel()
+    # The learner's own session was replaced; it reconnects and keeps merging.
+    wait_until(lambda: c.stats.reconnects >= 1, what="the learner's reconnect")
     still_merges(c, r)
 
 

@@ -1,16 +1,18 @@
--- Renew a learner's lease, unless a newer incarnation of the same id has taken it over.
+-- Renew a learner's lease, unless a newer incarnation of the same id has taken it over, or
+-- the same incarnation opened a newer session (it reconnected: `hello.lua`).
 -- Returns the inner steps of all learner slots together (each slot's steps as counted: its
 -- claim, bounded by the session's step rate, see admission.counted_steps), or -1 when the
--- lease was not renewed.
+-- lease was not renewed (a newer incarnation), -2 (a newer session of this incarnation).
 -- KEYS: learners, learner, ema, slot_steps, finished, finishing
 -- ARGV: id, incarnation, ttl_ms, step, ema_s, tokens_s, loss, eval, done, last_sent,
 --       still_to_send (',1,3,': finishing with those fragments still to send; '': not),
---       counted (the slot's steps toward the budget, an integer)
+--       counted (the slot's steps toward the budget, an integer), session
 -- `finished` holds the learners that sent their last update (rounds stop waiting for them);
 -- `finishing` the ones that stopped stepping, with the fragments they will still send (rounds
 -- of other fragments stop waiting for them); the learner's `done` says it also finished its
 -- final sync (the run's end waits for that).
 if redis.call('HGET', KEYS[2], 'incarnation') ~= ARGV[2] then return -1 end
+if redis.call('HGET', KEYS[2], 'joins') ~= ARGV[13] then return -2 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('HSET', KEYS[2], 'updated_ms', now, 'step', ARGV[4], 'step_time_ema_s', ARGV[5],
