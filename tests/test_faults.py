@@ -98,10 +98,17 @@ def test_a_paused_learner_does_not_stop_the_others(tmp_path: Path) -> None:
     check(report, 1)
     fault = report["faults"]["schedule"][0]
     start = report["started_at"] + fault["injected_at_s"]
-    log = report["commits"]
-    during = [c for c in log if start + 1 <= c["committed_at"] <= start + fault["duration_s"]]
+    end = start + fault["duration_s"]
+    merged = [e for e in report["_tape"] if e["kind"] == "merged"]
+    during = [e for e in merged if start + 1 <= e["committed_at"] <= end]
     assert during, "no version was committed while a learner was paused"
-    assert all("learner-0" not in c["learners"] for c in during)
+    # Rounds went on without it: some merged none of its updates. A round it had sent to
+    # before the pause may still commit during it (it waits for every live learner until
+    # the straggler's patience runs out), but nothing it made while paused is merged.
+    assert any("learner-0" not in e["learners"] for e in during), during
+    sent = {e["uid"]: float(e["t"]) for e in report["_tape"] if e["kind"] == "sent"}
+    its = [u for e in during for u in e["uids"] if u.startswith("learner-0/")]
+    assert all(sent[u] <= start + 0.5 for u in its), (start, [(u, sent[u]) for u in its])
 
 
 def test_a_killed_synchronizer_replica_loses_nothing(tmp_path: Path) -> None:
@@ -117,12 +124,10 @@ def test_a_killed_synchronizer_replica_loses_nothing(tmp_path: Path) -> None:
     )
     check(report, 1)
     assert sum(p["reconnects"] for p in report["per_learner"]) >= 1
-    # Every fragment the killed replica owned commits again within a lease and 10 s. The
-    # report's bound is a lease and 5 s; after this session's merges the slowest recommit
-    # here read 13.1-15.0 s (9.6-13.5 s before), not yet diagnosed: held to 10 s until it is.
+    # Every fragment the killed replica owned commits again within a lease and 5 s.
     recommits = report["faults"]["recommits"]
     assert recommits["fragments"] >= 1, "the killed replica owned no fragment"
-    assert recommits["slowest_s"] <= OWNER_TTL_S + 10.0, recommits
+    assert recommits["late"] == 0, recommits
     assert recommits["bound_s"] == OWNER_TTL_S + 5.0
 
 
