@@ -919,7 +919,6 @@ class SynchronizerClient:
     def _run(self) -> None:
         self._bind_log_context()
         delays = backoff_delays(max_s=self.max_backoff_s, initial_s=min(1.0, self.max_backoff_s))
-        first = True
         # A replica that said this slot's session is still live elsewhere (its replica died
         # less than a lease ago) answers: ask it again each second until that lease lapses,
         # not in turn with addresses that may be dead, nor after a growing backoff, so the
@@ -928,6 +927,9 @@ class SynchronizerClient:
         while not self._closed.is_set():
             address = busy_at or next(self._address_cycle)
             busy_at = None
+            # Until a first welcome, a broken attempt is still the learner's first session
+            # (a replica waiting for the job's initializer refuses it for now), not a reconnect.
+            first = self.welcome is None
             try:
                 self._session(address, first)
                 delays = backoff_delays(
@@ -952,8 +954,8 @@ class SynchronizerClient:
                     self._away_since = time.monotonic()
             if self._closed.is_set():
                 return
-            first = False
-            self.stats.reconnects += 1
+            if self.welcome is not None:  # a session was open: this is a reconnect
+                self.stats.reconnects += 1
             self._closed.wait(min(BUSY_RETRY_S, self.max_backoff_s) if busy_at else next(delays))
 
     def _session(self, address: str, first: bool) -> None:

@@ -1647,8 +1647,18 @@ def test_the_jobs_spec_and_first_values_come_from_its_initializer_slot(
         grpc.StatusCode.UNAVAILABLE
     )
     assert r.get(support.KEYS.spec) is None
+    # A slot whose hello comes first waits for l0's (the job's spec then): its retries until
+    # then are its first session's, not reconnects.
+    waiting: list[SynchronizerClient] = []
+    joiner = threading.Thread(
+        target=lambda: waiting.append(support.client([sync.address], "evil", token=TOKENS["evil"]))
+    )
+    joiner.start()
+    time.sleep(2)
     c = support.client([sync.address], "l0", token=TOKENS["l0"])
-    evil = support.client([sync.address], "evil", token=TOKENS["evil"])  # the job's spec now
+    joiner.join(60)
+    evil = waiting[0]
+    assert evil.stats.reconnects == 0, evil.stats
     try:
 
         def first_values(c: SynchronizerClient, values: np.ndarray) -> session_pb2.Ack:
