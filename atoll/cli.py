@@ -18,7 +18,7 @@ from cluster.export import ExportSettings
 from cluster.settings import UpSettings
 from learner.settings import LearnerSettings
 from services.config import CLI_HELP, HelpFormat, SynchronizerSettings
-from services.lifecycle import reuse_large_buffers, watch_parent
+from services.lifecycle import limit_heap_arenas, reuse_large_buffers, watch_parent
 from sim.plan import PlanSettings
 from sim.settings import SimSettings
 
@@ -29,6 +29,7 @@ class SynchronizerCommand(SynchronizerSettings):
     def cli_cmd(self) -> None:
         from synchronizer.server import run
 
+        limit_heap_arenas()  # before the replica's threads: what a request flood frees goes back
         run(self)
 
 
