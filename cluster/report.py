@@ -200,7 +200,10 @@ def build_report(
         },
         "data": data_report(summaries),
         "commits": [
-            {k: e.get(k) for k in ("fragment", "version", "learners", "scale", "committed_at")}
+            {
+                k: e.get(k)
+                for k in ("fragment", "version", "learners", "clips", "scale", "committed_at")
+            }
             for log in commit_logs
             for e in log
         ],
