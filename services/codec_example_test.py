@@ -1,7 +1,9 @@
 """A new codec is one file plus its value in proto/'s Codec enum: this file defines one (an
 example, never shipped), registers it, and every part that reads the registry takes it:
 lookups by name and by wire value, error feedback, segments and the synchronizer's weighed
-sum; tests/test_generated.py shows it in the Helm schema and the docs."""
+sum; tests/test_generated.py shows it in the Helm schema and the docs. `--codec`'s choices
+are the registry's names when services.config is first imported: a shipped codec registers
+in services/codec.py, or in a module of its own that codec.py imports."""
 
 from __future__ import annotations
 
