@@ -129,9 +129,10 @@ class LocalCluster:
         return {role: child.name}
 
     def bring_back(self, child: Child) -> None:
-        """A child a fault stopped, started again; once training is over a learner slot
-        ends dead instead (its steps are not wanted, the budget is spent)."""
-        if self.training_ended is not None and child in self.learners:
+        """A child a fault stopped, started again; once training is over it ends dead
+        instead (a learner slot brought back now would only linger: its steps are not
+        wanted, the budget is spent)."""
+        if self.training_ended is not None:
             self._end_dead(child)
         else:
             self._launch(child, restart=True)
