@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup proto lint format test run bench clean
+.PHONY: setup proto generated lint format test run bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml
 proto: $(STAMP)  ## regenerate services/gen from proto/
 	rm -rf services/gen
 	$(PY) -m services.protogen
+
+generated: $(STAMP)  ## rewrite the Helm schema's enums and the docs' tables from the registries
+	$(PY) -m atoll.generated
 
 lint: $(STAMP)  ## ruff, formatting, mypy strict and the import layers
 	$(VENV)/bin/ruff check .

@@ -12,13 +12,40 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pydantic import Field
+
+from bench.options import Model, Output
 from bench.runs import data_parallel, eval_model_flags, learner_flags, up, write
 from services.bandwidth import dp_equivalent_bytes
 
-if TYPE_CHECKING:
-    from bench.settings import BandwidthBench
+
+class BandwidthBench(Model, Output):
+    """Bytes against data-parallel at equal tokens, sweeping the codec and H."""
+
+    learners: int = Field(4, ge=2, le=16, description="M")
+    steps: int = Field(300, ge=10, description="inner steps per learner slot")
+    fragments: int = Field(4, ge=1, description="P")
+    quorum: int = Field(4, ge=1, description="K (rounds of several learners: fewer versions down)")
+    inner_steps: list[int] = Field([30, 100], description="H values")
+    codecs: list[str] = Field(
+        ["fp32", "bf16", "int8", "int4"], description="codecs swept (both directions)"
+    )
+    eval_batches: int = Field(16, ge=1, description="eval batches (x batch size sequences)")
+    seed: int = Field(0, description="initialization and data seed")
+    outer_lr: float = Field(0.7, gt=0.0, description="outer learning rate of the decoupled runs")
+    outer_momentum: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="outer Nesterov momentum of the decoupled runs (DiLoCo's 0.9 suits "
+        "full rounds at large H)",
+    )
+
+    def cli_cmd(self) -> None:
+        run(self)
+
 
 LOSS_GAP_LIMIT = 0.02
 

@@ -29,17 +29,41 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numba import njit
+from pydantic import Field
 
+from bench.options import Output
 from bench.runs import write
 from services import codec as codecs
 from services.downlink import fused_step
 
-if TYPE_CHECKING:
-    from bench.settings import CodecSpeedBench
+
+class CodecSpeedBench(Output):
+    """Encode and decode speed of each codec on one host core (beside the least memory
+    traffic decoding into a sum has), and int8 and int4 encoding on the learner's device
+    against the host path, side by side in one run."""
+
+    codecs: list[str] = Field(
+        ["fp32", "bf16", "int8", "int4", "e3m0", "int2", "sign", "topk"],
+        description="codecs measured (int4: the codec `--codec int4` names)",
+    )
+    values: int = Field(
+        25_000_000,
+        ge=256,
+        description="values encoded (default: a fragment of a 100M-parameter model at P=4)",
+    )
+    block_size: int = Field(256, ge=1, description="values per block scale")
+    chunk_bytes: int = Field(1 << 20, ge=1024, description="encoded bytes a segment, at most")
+    repeats: int = Field(3, ge=1, description="runs of each measurement (the best is kept)")
+    device: bool = Field(True, description="also measure encoding on JAX's device")
+    tensors: int = Field(8, ge=1, description="tensors in the device run's fragment")
+    seed: int = Field(0, description="random seed")
+
+    def cli_cmd(self) -> None:
+        run(self)
 
 
 def _best(work: Callable[[], object], repeats: int) -> tuple[float, float]:

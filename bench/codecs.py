@@ -9,15 +9,29 @@ codec with the lower error here. How fast each codec is: `atoll bench codec-spee
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
+from pydantic import Field
 
+from bench.options import Output
 from bench.runs import write
 from services import codec as codecs
 
-if TYPE_CHECKING:
-    from bench.settings import CodecsBench
+
+class CodecsBench(Output):
+    """Bytes per value and error of each codec, with and without error feedback."""
+
+    codecs: list[str] = Field(
+        ["bf16", "int8", "int4-uniform", "e3m0", "int2", "sign", "topk"],
+        description="codecs compared",
+    )
+    values: int = Field(1 << 18, ge=256, description="values per vector")
+    rounds: int = Field(50, ge=1, description="encodings summed with error feedback")
+    block_size: int = Field(256, ge=1, description="values per block scale")
+    seed: int = Field(0, description="random seed")
+
+    def cli_cmd(self) -> None:
+        run(self)
+
 
 DISTRIBUTIONS = ("normal", "laplace", "student3")
 

@@ -10,12 +10,34 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pydantic import Field
+
+from bench.options import Model, Output
 from bench.runs import algorithm_flags, eval_model_flags, up, write
 
-if TYPE_CHECKING:
-    from bench.settings import GoodputBench
+
+class GoodputBench(Model, Output):
+    """Goodput and eval loss of decoupled and sync mode under one seeded fault schedule."""
+
+    batch_size: int = Field(16, ge=1, description="sequences per step per learner")
+    learners: int = Field(4, ge=2, le=16, description="M")
+    steps: int = Field(200, ge=20, description="inner steps per learner slot (the job's budget)")
+    inner_steps: int = Field(40, ge=1, description="H (the job default)")
+    fragments: int = Field(4, ge=1, description="P")
+    codec: str = Field("int8", description="codec of outer gradients")
+    chaos: str = Field(
+        "learner-kill:mtbf=30s,down=30s",
+        description="the fault SPEC both faulty runs get (a learner takes 30 s to come back, "
+        "longer than a fragment's sync interval: on this scale, a node replaced in minutes "
+        "at a sync interval of minutes)",
+    )
+    eval_batches: int = Field(16, ge=1, description="eval batches (x batch size sequences)")
+    seed: int = Field(1, description="seed of the fault schedule, the model and the data")
+
+    def cli_cmd(self) -> None:
+        run(self)
 
 
 def _figures(report: dict[str, Any]) -> dict[str, Any]:

@@ -12,12 +12,28 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pydantic import Field
+
+from bench.options import Model, Output
 from bench.runs import algorithm_flags, model_flags, up, write
 
-if TYPE_CHECKING:
-    from bench.settings import HeteroBench
+
+class HeteroBench(Model, Output):
+    """M learners with one 4x slower, against all at full speed, same wall clock."""
+
+    batch_size: int = Field(16, ge=1, description="sequences per step per learner")
+    learners: int = Field(4, ge=2, le=16, description="M")
+    steps: int = Field(200, ge=20, description="inner steps per learner (homogeneous run)")
+    slow_speed: float = Field(0.25, gt=0.0, lt=1.0, description="the slow learner's speed")
+    inner_steps: int = Field(40, ge=1, description="H")
+    fragments: int = Field(4, ge=1, description="P")
+    codec: str = Field("int8", description="codec of outer gradients")
+    seed: int = Field(0, description="initialization and data seed")
+
+    def cli_cmd(self) -> None:
+        run(self)
 
 
 def _tokens_per_second(report: dict[str, Any], learners: list[str]) -> float:

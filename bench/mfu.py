@@ -23,13 +23,52 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from pydantic import BaseModel, Field
+
+from bench.options import Output
 from cluster.processes import Child, atoll_command, synchronizer_child
 from cluster.redis_server import RedisServer
 
-if TYPE_CHECKING:
-    from bench.settings import MfuAnchor, MfuBench
+
+class MfuBench(Output):
+    """The learner's training rate (syncing, checkpoints on) against a bare JAX step of the
+    same model, per size: MFU, ratio, sync and checkpoint overheads."""
+
+    sizes: str = Field(
+        "",
+        description="model sizes, comma separated, of 86m, 303m, 1b, cpu-small, cpu-medium "
+        "(default: 86m,303m with an NVIDIA GPU, else cpu-small,cpu-medium)",
+    )
+    steps: int = Field(
+        60,
+        ge=5,
+        description="measured steps per run (after 2 x H + 5 steps: every fragment synced twice)",
+    )
+    fragments: int = Field(4, ge=1, description="P of the synced runs")
+    inner_steps: int = Field(40, ge=1, description="H of the synced runs")
+    threads: int = Field(1, ge=1, description="CPU threads of each run (on a CPU)")
+    timeout_s: float = Field(900.0, gt=0.0, description="limit for each run")
+
+    def cli_cmd(self) -> None:
+        run(self)
+
+
+class MfuAnchor(BaseModel):
+    """internal: the bare JAX step `atoll bench mfu` compares against"""
+
+    layers: int = Field(description="layers")
+    width: int = Field(description="width")
+    heads: int = Field(description="heads")
+    context: int = Field(description="context")
+    batch_size: int = Field(description="sequences per step")
+    steps: int = Field(description="measured steps")
+    json_path: Path = Field(alias="json", description="where to write the result")
+
+    def cli_cmd(self) -> None:
+        run_anchor(self)
+
 
 # name -> (layers, width, heads, context, batch)
 SIZES: dict[str, tuple[int, int, int, int, int]] = {

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from pydantic import Field
+
+from bench.options import Model, Output
 from bench.runs import (
     algorithm_flags,
     atoll,
@@ -22,8 +24,19 @@ from bench.runs import (
     write,
 )
 
-if TYPE_CHECKING:
-    from bench.settings import OverlapBench
+
+class OverlapBench(Model, Output):
+    """Learner steps/s with syncing on against syncing off (`--standalone`)."""
+
+    batch_size: int = Field(16, ge=1, description="sequences per step (the learner default)")
+    steps: int = Field(300, ge=20, description="inner steps of each run")
+    inner_steps: int = Field(40, ge=1, description="H (the job default)")
+    fragments: int = Field(4, ge=1, description="P")
+    codec: str = Field("int8", description="codec of outer gradients")
+    threads: int = Field(1, ge=1, description="CPU threads of the learner in both runs")
+
+    def cli_cmd(self) -> None:
+        run(self)
 
 
 def run(settings: OverlapBench) -> None:

@@ -32,8 +32,11 @@ import sysconfig
 import tempfile
 from pathlib import Path
 from statistics import mean
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
+from pydantic import Field, model_validator
+
+from bench.options import Model, Output
 from bench.runs import (
     IDENTITY_MERGE,
     atoll,
@@ -43,10 +46,158 @@ from bench.runs import (
     up,
     write,
 )
+from learner.data import MAX_CORPUS_BYTES
 from services.bandwidth import dp_equivalent_bytes
 
-if TYPE_CHECKING:
-    from bench.settings import QualityBench
+
+class QualityBench(Model, Output):
+    """Eval loss on the same text: data-parallel, sync DiLoCo (fp32) and decoupled (sweeping
+    codec and H), M learners each, every row once per seed; every run's final global model
+    scored on held-out files and on --ood-data. `--scale` picks a preset; flags given win."""
+
+    scale: Literal["custom", "gpu", "cpu-smoke"] = Field(
+        "custom",
+        description="gpu: a 32.3M-parameter model (8 layers, width 576, context 512) for 20 "
+        "tokens per parameter (650M tokens per run), M=2, one learner per GPU (data-parallel "
+        "spans them all); cpu-smoke: a tiny model for a minute or two on a CPU; custom: the "
+        "flags alone",
+    )
+    learners: int = Field(4, ge=2, le=16, description="M")
+    steps: int = Field(150, ge=1, description="inner steps per learner (unless --tokens)")
+    tokens: int = Field(
+        0,
+        ge=0,
+        description="tokens each run trains on in all (sets --steps: tokens / (M x batch x "
+        "context), rounded up); 0: --steps",
+    )
+    inner_steps: list[int] = Field([12], description="H values (sync and decoupled runs)")
+    fragments: int = Field(3, ge=1, description="P")
+    codecs: list[str] = Field(
+        ["int8"], description="codecs of the decoupled runs (both directions)"
+    )
+    runs: list[Literal["dp", "sync", "decoupled", "sanity"]] = Field(
+        ["dp", "sync", "decoupled"],
+        description="which kinds of run this invocation makes (split a long bench over "
+        "several invocations with --baseline); sanity: one learner through the decoupled "
+        "path (fp32, outer lr 1, no momentum) against the same learner alone, step by step",
+    )
+    sanity_steps: int = Field(300, ge=2, description="inner steps of each sanity run")
+    baseline: Path | None = Field(
+        None,
+        description="an earlier result JSON of this bench: its runs join this one's (gaps "
+        "are computed over both)",
+    )
+    lr: float | None = Field(
+        None, gt=0.0, description="inner AdamW peak lr of the DiLoCo runs; unset: the learner's"
+    )
+    dp_lr: float | None = Field(
+        None,
+        gt=0.0,
+        description="inner AdamW peak lr of data-parallel (tune each side: its global batch is "
+        "M times a learner's); unset: --lr",
+    )
+    weight_decay: float = Field(0.01, ge=0.0, description="inner AdamW weight decay, every run")
+    warmup_steps: int | None = Field(
+        None, ge=0, description="inner warm-up steps; unset: the learner's"
+    )
+    outer_lr: float | None = Field(None, gt=0.0, description="outer lr; unset: the job's")
+    quorum: int | None = Field(
+        None, ge=1, description="K of the decoupled runs; unset: the job's (1)"
+    )
+    outer_momentum: float | None = Field(
+        None, ge=0.0, lt=1.0, description="outer Nesterov momentum; unset: the job's"
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="compute dtype (auto: bfloat16 on GPU, float32 on CPU)"
+    )
+    threads: int = Field(1, ge=1, description="CPU threads of each learner")
+    gpus_per_learner: int = Field(
+        0, ge=0, description="GPUs of each sync/decoupled learner (1: one per GPU); 0: unpinned"
+    )
+    data: list[Path] = Field(
+        default_factory=list,
+        description="training text; empty: this Python's standard library (gpu: with its "
+        "site-packages too)",
+    )
+    eval_data: list[Path] = Field(
+        default_factory=list,
+        description="evaluation text; empty: every 50th file of --data, held out",
+    )
+    ood_data: list[Path] = Field(
+        default_factory=list,
+        description="a second evaluation corpus nobody trained or tuned on (prose, another "
+        "project's sources): every run's final model is scored on it too",
+    )
+    max_corpus_bytes: int = Field(
+        MAX_CORPUS_BYTES,
+        ge=1 << 10,
+        description="training text read, the same first bytes of the files for every run "
+        "(the result says when it cut the text)",
+    )
+    eval_batches: int = Field(16, ge=1, description="eval batches (x batch size sequences)")
+    eval_windows: int = Field(
+        0, ge=0, description="windows every run is scored on; 0: --eval-batches x --batch-size"
+    )
+    export_dir: Path | None = Field(
+        None,
+        description="export each run's final model here (safetensors) and check that "
+        "`atoll eval` of it gives the run's eval loss",
+    )
+    seeds: list[int] = Field(
+        [0, 1],
+        min_length=1,
+        description="initialization and data-order seeds: every row runs once per seed (two "
+        "at least, to see the noise a gap must beat)",
+    )
+
+    @model_validator(mode="after")
+    def _preset(self) -> QualityBench:
+        for name, value in QUALITY_PRESETS.get(self.scale, {}).items():
+            if name not in self.model_fields_set:
+                setattr(self, name, value)
+        return self
+
+    def cli_cmd(self) -> None:
+        run(self)
+
+
+QUALITY_PRESETS: dict[str, dict[str, Any]] = {
+    # 32.3M parameters at 20 tokens per parameter (the DiLoCo scaling-law studies' regime):
+    # one learner per GPU of a 2-GPU pair, 64 sequences of 512 bytes per learner step, 9,919
+    # steps = 650M tokens, about 1.3 passes over the standard library and site-packages.
+    "gpu": {
+        "layers": 8,
+        "width": 576,
+        "heads": 9,
+        "context": 512,
+        "batch_size": 64,
+        "learners": 2,
+        "tokens": 650_000_000,
+        "inner_steps": [100],
+        "fragments": 4,
+        "codecs": ["int4", "int2"],
+        "lr": 2e-3,
+        "warmup_steps": 300,
+        "threads": 4,
+        "gpus_per_learner": 1,
+        "eval_windows": 1024,
+        "max_corpus_bytes": 1 << 30,
+    },
+    # The same three kinds of run at a size a test runs in a minute on a CPU.
+    "cpu-smoke": {
+        "layers": 1,
+        "width": 32,
+        "heads": 2,
+        "context": 32,
+        "batch_size": 4,
+        "learners": 2,
+        "steps": 20,
+        "inner_steps": [10],
+        "fragments": 2,
+        "codecs": ["int4"],
+        "eval_windows": 16,
+    },
+}
 
 
 class UnequalText(RuntimeError):

@@ -11,7 +11,7 @@ again with one call per payload as Ingest makes (`raw_per_call_mb_s`: what the c
 cost, beside what the replica does with their bytes). Then the floor (`floor_mb_s`,
 `floor_ratio`): the same clients stream the updates on one stream each to a sink that does
 only the least an owner must with them, parse each chunk, hash it and sum it into a float32
-fragment on one worker thread, chunks of one range together (`_Summer`); what is left
+fragment on one worker thread, chunks of one range together (bench/raw_sink.py); what is left
 between it and the replica is admission, checks and per-call costs. Last, the same payloads
 written straight into a fresh Redis, one SET each, as the first design stored every update:
 that ceiling (`store_ratio`) is what data plane v2 left behind.
@@ -25,7 +25,6 @@ plus a quarter of the raw run's total.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import multiprocessing
@@ -35,17 +34,20 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import numpy as np
 import redis
-import xxhash
+from pydantic import Field
 
-from bench.scale import cpu_seconds, static_chunks
+from bench.options import Output
+from bench.raw_sink import RAW_METHOD
+from bench.scale import cpu_seconds
+from bench.synthetic import static_chunks
 from cluster.processes import Child, atoll_command, child_env, synchronizer_child, wait_for_file
 from cluster.redis_server import RedisServer
 from learner.client import SynchronizerClient
@@ -53,16 +55,26 @@ from services import codec as codecs
 from services import kernels
 from services import telemetry as tm
 from services.gen.atoll.v1 import session_pb2
-from services.grpcopts import channel_options, server_options
+from services.grpcopts import channel_options
 from services.layout import LeafSpec
 from services.lifecycle import reuse_large_buffers, watch_parent
 from services.wire import DEFAULT_MAX_CHUNK_BYTES
-from synchronizer.admission import Arrived, parse_chunk
 from synchronizer.keys import JobKeys
-from synchronizer.worker import TOGETHER
 
-if TYPE_CHECKING:
-    from bench.settings import SynchronizerBench
+
+class SynchronizerBench(Output):
+    """Ingest of 3 learners streaming int8 updates, against raw gRPC streaming of the same
+    bytes (on one stream, and one call per update), against a sink that only hashes and sums
+    them as an owner must (the floor), and against Redis alone storing them; and the CPU each
+    MB cost every part."""
+
+    clients: int = Field(3, ge=1, le=16, description="concurrent learner clients")
+    seconds: float = Field(10.0, gt=0.0, description="seconds each measurement streams")
+    fragment_mib: float = Field(4.0, gt=0.0, description="encoded int8 update size in MiB")
+
+    def cli_cmd(self) -> None:
+        run(self)
+
 
 SERVICE = "atoll.v1.Synchronizer"
 IN_FLIGHT = 8  # updates each client keeps in flight (a learner never waits for acks)
@@ -414,147 +426,6 @@ def measure_store(workdir: Path, clients: int, seconds: float, payload_bytes: in
             Client("store", i, redis_server.url, chunks, payload_bytes) for i in range(clients)
         ]
         return _run_clients(parts, seconds, {}).mb_s
-
-
-RAW_METHOD = "/atoll.bench.RawSink/Stream"
-
-
-class _Summer:
-    """The least a fragment's owner does with an update's bytes, on one worker thread as the
-    owner's is: each chunk hashed in arrival order and summed into a float32 fragment, the
-    chunks of one range queued together summed in one pass (as the owner's worker sums them).
-    Nothing else: no checks, no admission, no Redis, no outer step."""
-
-    def __init__(self) -> None:
-        self.codec = codecs.by_name("int8")
-        self.acc: np.ndarray | None = None
-        self.failure = ""  # why a batch could not be summed: the calls then fail with it
-        self.queue: queue.SimpleQueue[
-            tuple[int, int, memoryview, xxhash.xxh3_64 | None, Callable[[], object] | None] | None
-        ] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="summer", daemon=True)
-        self.thread.start()
-
-    def add(
-        self, n: int, offset: int, count: int, data: memoryview, hasher: xxhash.xxh3_64
-    ) -> None:
-        """Queue one chunk."""
-        if self.acc is None:
-            self.acc = np.zeros(n, np.float32)
-        self.queue.put((offset, count, data, hasher, None))
-
-    def done(self) -> asyncio.Future[int]:
-        """A future done once every chunk queued so far is hashed and summed."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[int] = loop.create_future()
-
-        def resolve() -> None:
-            if not future.done():  # its call may have been cancelled meanwhile
-                future.set_result(1)
-
-        self.queue.put((0, 0, memoryview(b""), None, lambda: loop.call_soon_threadsafe(resolve)))
-        return future
-
-    def _run(self) -> None:
-        while (item := self.queue.get()) is not None:
-            batch = [item]
-            while len(batch) < TOGETHER:  # as many as the owner's worker takes at once
-                try:
-                    more = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self.queue.put(None)
-                    break
-                batch.append(more)
-            try:
-                self._sum(batch)
-            except Exception as err:  # every call waiting fails with it (`serve_raw_sink`)
-                self.failure = self.failure or repr(err)
-            for *_, finished in batch:
-                if finished is not None:
-                    finished()
-
-    def _sum(
-        self,
-        batch: list[tuple[int, int, memoryview, Any, Callable[[], object] | None]],
-    ) -> None:
-        for _, _, data, hasher, _ in batch:
-            if hasher is not None:
-                hasher.update(data)
-        ranges: dict[tuple[int, int], list[codecs.Ready]] = {}
-        assert self.acc is not None
-        for offset, count, data, hasher, _ in batch:
-            if hasher is None:  # a marker (`done`)
-                continue
-            segment = codecs.Segment(offset, count, data)
-            ready = self.codec.ready(self.acc, 1.0, segment, codecs.DEFAULT_BLOCK_SIZE)
-            if ready is None:
-                raise ValueError("int8 at the default block size has no compiled sum")
-            ranges.setdefault((offset, count), []).append(ready)
-        for (offset, count), chunks in ranges.items():
-            for i in range(0, len(chunks), kernels.MANY):
-                self.codec.decode_many(
-                    self.acc, offset, count, codecs.DEFAULT_BLOCK_SIZE, chunks[i : i + kernels.MANY]
-                )
-
-
-def serve_raw_sink(port_file: Path, summing: bool = False) -> None:
-    """A bare grpc.aio bidi stream (the synchronizer's own server flavour) that counts chunks
-    into payloads and acks each payload: gRPC with nothing of atoll's behind it. `summing`:
-    each message is an Ingest chunk, parsed as the owner parses it, and its payload hashed
-    and summed (`_Summer`) before its update is acked, "ok" if its checksum holds."""
-
-    async def handle(
-        request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
-    ) -> AsyncIterator[bytes]:
-        size = int(dict(context.invocation_metadata() or ())["payload-bytes"])
-        received = 0
-        async for chunk in request_iterator:
-            received += len(chunk)
-            if received >= size:  # one whole payload in: ack it
-                received -= size
-                yield b"ok"
-
-    if summing:
-        kernels.warm()  # as a replica does before it serves: no compiling in the measurement
-    summer = _Summer() if summing else None
-
-    async def handle_summing(
-        request_iterator: AsyncIterator[Arrived], context: grpc.aio.ServicerContext[Any, bytes]
-    ) -> AsyncIterator[bytes]:
-        assert summer is not None
-        size = int(dict(context.invocation_metadata() or ())["payload-bytes"])
-        received, hasher = 0, xxhash.xxh3_64()
-        async for chunk, data in request_iterator:
-            header = chunk.header
-            summer.add(header.num_elements, chunk.value_offset, chunk.value_count, data, hasher)
-            received += len(data)
-            if received >= size:  # one whole payload in: ack it once it is summed
-                received -= size
-                await summer.done()
-                if summer.failure:
-                    await context.abort(
-                        grpc.StatusCode.INTERNAL, f"the summing sink failed: {summer.failure}"
-                    )
-                yield b"ok" if hasher.intdigest() == header.checksum else b"bad"
-                hasher = xxhash.xxh3_64()
-
-    async def serve() -> None:
-        method = (
-            grpc.stream_stream_rpc_method_handler(handle_summing, request_deserializer=parse_chunk)
-            if summing
-            else grpc.stream_stream_rpc_method_handler(handle)  # bytes in, bytes out
-        )
-        handler = grpc.method_handlers_generic_handler("atoll.bench.RawSink", {"Stream": method})
-        server = grpc.aio.server(options=server_options())
-        server.add_generic_rpc_handlers((handler,))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        await asyncio.to_thread(port_file.write_text, json.dumps({"grpc": port, "metrics": 0}))
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
 
 
 def run(settings: SynchronizerBench) -> None:

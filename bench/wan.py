@@ -23,12 +23,42 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pydantic import Field
+
+from bench.options import Model, Output
 from bench.runs import algorithm_flags, learner_summaries, model_flags, steps_per_second, up, write
 
-if TYPE_CHECKING:
-    from bench.settings import WanBench
+
+class WanBench(Model, Output):
+    """A race across regions on this machine (root): data-parallel, decoupled and sync
+    DiLoCo over the same shaped links, and decoupled uncapped for `throughput_kept`."""
+
+    regions: str = Field("us:1,eu:1", description="the regions, as atoll up --regions")
+    rate: str = Field("100mbit", description="each region link's rate cap (atoll up --link)")
+    delay: str = Field("", description="each link's one-way delay, e.g. 40ms (atoll's proxy)")
+    steps: int = Field(200, ge=10, description="inner steps per learner slot (same tokens)")
+    inner_steps: int = Field(50, ge=1, description="H of the decoupled and sync runs")
+    fragments: int = Field(4, ge=1, description="P")
+    codec: str = Field("int8", description="codec of outer gradients")
+    eval_every: int = Field(20, ge=1, description="steps between evaluations of the global model")
+    eval_batches: int = Field(4, ge=1, description="eval batches (x batch size sequences)")
+    threads: int = Field(1, ge=1, description="CPU threads of each learner process")
+    seed: int = Field(1, description="initialization and data seed")
+    tolerance: float = Field(
+        0.01, ge=0.0, description="time_to_dp_loss_s counts a loss within this share of dp's"
+    )
+    runs: list[str] = Field(
+        ["dp", "decoupled", "sync", "uncapped"],
+        description="which runs, of dp, decoupled, sync and uncapped",
+    )
+    timeout_s: float = Field(3600.0, gt=0.0, description="each run's limit (atoll up)")
+    plot: Path | None = Field(None, description="write a PNG of eval loss against wall time")
+
+    def cli_cmd(self) -> None:
+        run(self)
+
 
 UNCAPPED = "rate=100gbit"
 RUNS = ("dp", "decoupled", "sync", "uncapped")

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -356,3 +357,55 @@ def measure(region_plan: RegionPlan) -> dict[str, dict[str, int]]:
         tbf = next((q for q in qdiscs if q.get("kind") == "tbf"), {})
         out[link.region.name] = link_counters(link_stats[0] if link_stats else {}, tbf)
     return out
+
+
+def link_report(region_plan: RegionPlan, wall_seconds: float) -> dict[str, Any]:
+    """Each region's link as the kernel counted it: bytes each way at the hub's end, the
+    bucket's drops, and the share of the link's capacity used over the run."""
+    counters = measure(region_plan)
+    out: dict[str, Any] = {
+        "link": {
+            "rate_bits_s": region_plan.shape.rate_bits_s,
+            "delay_s": region_plan.shape.delay_s,
+        }
+    }
+    for link in region_plan.links:
+        taken = counters[link.region.name]
+        out[link.region.name] = {
+            "namespace": link.namespace,
+            "learners": [
+                f"learner-{k}"
+                for k in range(link.first_learner, link.first_learner + link.region.learners)
+            ],
+            **taken,
+            "utilisation": utilisation(taken, region_plan.shape, wall_seconds),
+        }
+    return out
+
+
+def make(regions: str, link: str) -> RegionPlan:
+    """Plan this run's regions (`--regions`, `--link`; named after this process), clear the
+    leftovers of runs that were killed, make the namespaces and move this process into the
+    hub."""
+    region_plan = plan(parse_regions(regions), parse_link(link), os.getpid())
+    for name in sweep_stale():
+        print(f"atoll up: removed {name}, left by an atoll up that was killed", flush=True)
+    try:
+        create(region_plan)
+        enter(region_plan.hub)
+    except BaseException:  # a failed command, Ctrl-C: nothing half-made stays
+        remove(region_plan)
+        raise
+    return region_plan
+
+
+def unmake(region_plan: RegionPlan | None) -> None:
+    """Remove what `make` made, saying what could not be removed."""
+    if region_plan is None:
+        return
+    left = remove(region_plan)
+    if left:
+        print(
+            f"atoll up: could not remove {', '.join(left)}; remove with `ip netns delete NAME`",
+            file=sys.stderr,
+        )

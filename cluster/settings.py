@@ -6,6 +6,9 @@ from pathlib import Path
 
 from pydantic import Field
 
+from cluster import regions
+from cluster.chaos import ChaosError, parse
+from cluster.scale import parse_scale
 from learner.settings import ModelConfig
 from services.config import AtollSettings, JobConfig
 
@@ -135,4 +138,81 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         "(mtbf) or net-partition (mtbf, for); mtbf is cluster-wide, at=20s+40s places faults "
         "at fixed times, victim=N pins the victim; times count from the first inner step; the "
         "schedule follows --seed. Example: 'learner-kill:mtbf=30s,down=5s;net-reset:mtbf=60s'",
+    )
+
+
+def refused(settings: UpSettings) -> str | None:
+    """What is wrong with the command line's plans (--chaos, --scale), found before any
+    folder or process exists: a refused command leaves nothing behind."""
+    try:
+        if settings.chaos:
+            parse(settings.chaos)
+        if settings.scale:
+            parse_scale(settings.scale)
+    except ChaosError as err:
+        return str(err)
+    if settings.redis_url and "redis-restart" in (settings.chaos or ""):
+        return "redis-restart needs the Redis atoll up starts; drop --redis-url"
+    if settings.regions:
+        return regions_refused(settings)
+    if settings.data_parallel:
+        return "--data-parallel runs across --regions; add --regions, e.g. 'us:1,eu:1'"
+    if "link" in settings.model_fields_set:
+        return "--link shapes the links of --regions; add --regions, e.g. 'us:1,eu:1'"
+    return None
+
+
+def regions_refused(settings: UpSettings) -> str | None:
+    """What --regions cannot run with, and whether this process may make namespaces."""
+    try:
+        planned = sum(r.learners for r in regions.parse_regions(settings.regions))
+        regions.parse_link(settings.link)
+    except regions.RegionError as err:
+        return str(err)
+    if "learners" in settings.model_fields_set and settings.learners != planned:
+        return (
+            f"--regions {settings.regions!r} places {planned} learners, --learners says "
+            f"{settings.learners}; drop --learners (the regions set it)"
+        )
+    conflicts = {
+        "--redis-url": bool(settings.redis_url),  # the hub reaches no Redis outside it
+        "--tls": settings.tls,  # the certificates name loopback, not the hub's address
+        "--metrics": settings.metrics,  # Prometheus on the host cannot reach the hub
+        "--scale": bool(settings.scale),  # a new slot would have no region
+    }
+    for flag, on in conflicts.items():
+        if on:
+            return f"--regions runs the cluster in its own namespaces; drop {flag}"
+    if settings.data_parallel:
+        conflicts = {
+            "--chaos": bool(settings.chaos),  # a process of it restarted alone cannot rejoin
+            "--speeds": bool(settings.speeds),
+            "--batch-sizes": bool(settings.batch_sizes),
+            "--processes-per-learner": settings.processes_per_learner > 1,
+        }
+        for flag, on in conflicts.items():
+            if on:
+                return f"--data-parallel runs one learner of one process per slot; drop {flag}"
+    return regions.refused()
+
+
+def data_parallel(settings: UpSettings) -> UpSettings:
+    """--data-parallel: one learner, the regions' slots its processes, the batch of all of
+    them, and a merge that is the identity (bench/runs.py's data-parallel reference). It
+    syncs every --eval-every steps (else once, at the end): what is evaluated is the global
+    model, which through the identity merge is then the learner's own parameters."""
+    return settings.model_copy(
+        update={
+            "learners": 1,
+            "batch_size": settings.learners * settings.batch_size,
+            "mode": "sync",
+            "fragments": 1,
+            "inner_steps": min(settings.eval_every or settings.steps, settings.steps),
+            "overlap_steps": 0,
+            "codec": "fp32",
+            "downlink_codec": "fp32",
+            "outer_lr": 1.0,
+            "outer_momentum": 0.0,
+            "quorum": 0,
+        }
     )

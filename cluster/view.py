@@ -126,7 +126,7 @@ class LiveView:
             self._live.__exit__(None, None, None)
 
     def update(self, state: ClusterState, cluster: Any) -> None:
-        settings: UpSettings = cluster.s
+        settings: UpSettings = cluster.settings
         up, down = state.stats.get("bytes_up", 0.0), state.stats.get("bytes_down", 0.0)
         params = TransformerConfig(
             settings.layers, settings.width, settings.heads, settings.context

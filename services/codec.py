@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 import xxhash
 
-from services import kernels
+from services import formats, kernels
 from services.blockwise import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
 from services.blockwise import (
     FLOAT32_MAX,
@@ -30,7 +30,6 @@ from services.blockwise import (
     NIBBLE_FUSED,
     Blockwise,
     blocks_of,
-    byte_table,
     check_block_size,
     check_limit,
     check_squares,
@@ -39,8 +38,6 @@ from services.blockwise import (
     int8_levels,
     offset_nibble_levels,
     scale_blocks,
-    scales_and_body,
-    table_levels,
     target,
 )
 from services.blockwise import MAX_BLOCK_SIZE as MAX_BLOCK_SIZE
@@ -77,28 +74,6 @@ def _decode_bf16(payload: Payload, n: int, _: int) -> np.ndarray:
     return finite(np.frombuffer(payload, ml_dtypes.bfloat16).astype(np.float32))
 
 
-def _padded_blocks(x: np.ndarray, block_size: int) -> np.ndarray:
-    """x (float32) padded with zeros into rows of block_size."""
-    check_block_size(block_size)
-    padded = np.zeros(blocks_of(x.size, block_size) * block_size, np.float32)
-    padded[: x.size] = x
-    return padded.reshape(-1, block_size)
-
-
-def _block_counts(n: int, block_size: int) -> np.ndarray:
-    """How many of each block's values are real (the last block may be short)."""
-    counts = np.full(blocks_of(n, block_size), block_size, np.float32)
-    if n:
-        counts[-1] = n - (counts.size - 1) * block_size
-    return counts
-
-
-def _absmax_blocks(x: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """x padded into blocks, and each block's absmax (float32)."""
-    blocks = _padded_blocks(x, block_size)
-    return blocks, np.abs(blocks).max(axis=1).astype(np.float32)
-
-
 # Values encoded a chunk (whole blocks, an even number): their float32 values stay in cache.
 ENCODE_CHUNK = 1 << 16
 # Only a block's scale below this lets a value under float32's smallest normal round to a
@@ -106,9 +81,17 @@ ENCODE_CHUNK = 1 << 16
 SMALL_SCALE = np.float32(2.0**-124)
 
 
-# The blockwise uniform codecs (uniform_payload): each one's largest code and codes a byte.
-# The learner's device encoder and the synchronizer's compiled outer step encode them too.
-UNIFORM_CODES: dict[str, tuple[int, int]] = {"int8": (127, 1), "int4-uniform": (7, 2)}
+@dataclass(frozen=True)
+class Uniform:
+    """A blockwise uniform quantizer's codes (`uniform_payload`): -largest..largest, per_byte
+    of them a byte. A codec of such codes encodes on the learner's device too
+    (learner.device_codec), and in the synchronizer's compiled outer step (services.downlink)."""
+
+    largest: int
+    per_byte: int
+
+    def encode(self, x: np.ndarray, block_size: int) -> bytes:
+        return uniform_payload(x, block_size, self.largest, self.per_byte)
 
 
 def uniform_payload(x: np.ndarray, block_size: int, largest: int, per_byte: int) -> bytes:
@@ -164,150 +147,6 @@ def uniform_payload(x: np.ndarray, block_size: int, largest: int, per_byte: int)
     return out.tobytes()
 
 
-def _encode_int8(x: np.ndarray, block_size: int) -> bytes:
-    """Blockwise uniform 8-bit: codes -127..127 (uniform_payload), one signed byte each."""
-    return uniform_payload(x, block_size, *UNIFORM_CODES["int8"])
-
-
-def _pack_nibbles(codes: np.ndarray) -> bytes:
-    """4-bit codes (0..15), two per byte, the first in the low nibble."""
-    if codes.size % 2:
-        codes = np.append(codes, 0)
-    pairs = codes.astype(np.uint8).reshape(-1, 2)
-    return (pairs[:, 0] | (pairs[:, 1] << 4)).astype(np.uint8).tobytes()
-
-
-def _unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
-    codes = np.empty(packed.size * 2, np.uint8)
-    codes[0::2] = packed & 0x0F
-    codes[1::2] = packed >> 4
-    return codes[:n]
-
-
-def _encode_int4(x: np.ndarray, block_size: int) -> bytes:
-    """Blockwise uniform 4-bit: codes q in -7..7 (uniform_payload), stored as q + 8."""
-    return uniform_payload(x, block_size, *UNIFORM_CODES["int4-uniform"])
-
-
-E3M0_MIN_EXP = -6  # magnitudes absmax * 2^e for e in -6..0, and zero
-
-
-def _encode_e3m0(x: np.ndarray, block_size: int) -> bytes:
-    """Sign and a 3-bit exponent per value (Streaming DiLoCo's E3M0): |x| is rounded in the
-    log domain to absmax * 2^e, e in -6..0, or to zero below half the smallest step.
-    Code: bit 3 the sign, bits 0-2 the exponent e + 7 (0: zero)."""
-    blocks, absmax = _absmax_blocks(np.asarray(x, np.float32), block_size)
-    safe = np.where(absmax > 0, absmax, 1.0)[:, None]
-    ratio = np.abs(blocks) / safe
-    with np.errstate(divide="ignore"):
-        e = np.rint(np.log2(np.maximum(ratio, 1e-30)))
-    e = np.clip(e, E3M0_MIN_EXP, 0)
-    zero = ratio < 2.0 ** (E3M0_MIN_EXP - 1)
-    code = np.where(zero, 0, e - E3M0_MIN_EXP + 1).astype(np.uint8)
-    code |= np.where(blocks < 0, 8, 0).astype(np.uint8)
-    return absmax.astype("<f4").tobytes() + _pack_nibbles(code.ravel()[: x.size])
-
-
-def _e3m0_levels() -> np.ndarray:
-    """The 16 codes' values before the block's absmax: +-2^e, and +-0."""
-    codes = np.arange(16)
-    exp_code = (codes & 7).astype(np.float32)
-    magnitude = np.where(exp_code > 0, np.exp2(exp_code + (E3M0_MIN_EXP - 1)), 0.0)
-    return np.where(codes & 8, -magnitude, magnitude).astype(np.float32)
-
-
-def _encode_int2(x: np.ndarray, block_size: int) -> bytes:
-    """Two bits a value, four levels (q - 1.5) * s for q in 0..3, s the block's root mean
-    square (float32): uniform 2-bit quantization with the step that suits Gaussian values.
-    Four codes a byte, the first in the lowest bits."""
-    n = x.size
-    blocks = _padded_blocks(np.asarray(x, np.float32), block_size)
-    counts = _block_counts(n, block_size)
-    scales = np.sqrt(np.square(blocks).sum(axis=1) / counts).astype(np.float32)
-    safe = np.where(scales > 0, scales, 1.0)[:, None]
-    q = np.clip(np.floor(blocks / safe) + 2, 0, 3).astype(np.uint8).ravel()[:n]
-    q = np.append(q, np.zeros(-n % 4, np.uint8)).reshape(-1, 4)
-    packed = (q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)).astype(np.uint8)
-    return bytes(scales.astype("<f4").tobytes() + packed.tobytes())
-
-
-def _encode_sign(x: np.ndarray, block_size: int) -> bytes:
-    """One bit a value: its sign, times its block's mean magnitude (the scale that makes a
-    block's encoding closest to it), float32. Bit set: positive; a value of zero is sent as
-    positive, and error feedback takes the difference back."""
-    x = np.asarray(x, np.float32)
-    blocks = _padded_blocks(x, block_size)
-    counts = _block_counts(x.size, block_size)
-    scales = (np.abs(blocks).sum(axis=1) / counts).astype(np.float32)
-    bits = np.packbits(x >= 0, bitorder="little")
-    return bytes(scales.astype("<f4").tobytes() + bits.tobytes())
-
-
-TOPK_SHARE = 32  # topk keeps the 1/32 largest values of each block
-
-
-def _topk_layout(n: int, block_size: int) -> tuple[int, int, np.dtype[np.unsignedinteger]]:
-    """Blocks, values kept per block, and the dtype of their offsets in the block."""
-    check_block_size(block_size)
-    kept = max(1, block_size // TOPK_SHARE)
-    offset: np.dtype[np.unsignedinteger] = np.dtype("<u4")
-    if block_size <= 1 << 8:
-        offset = np.dtype("u1")
-    elif block_size <= 1 << 16:
-        offset = np.dtype("<u2")
-    return blocks_of(n, block_size), kept, offset
-
-
-def _encode_topk(x: np.ndarray, block_size: int) -> bytes:
-    """The largest 1/32 of each block's values by magnitude, in 4-bit: per block a scale
-    (their absmax / 7, float32), their offsets in the block in increasing order, and their
-    codes q + 8, q = round(value / scale) in -7..7. Every other value decodes to zero; error
-    feedback sends it later, once it has grown into its block's largest."""
-    blocks, _ = _absmax_blocks(np.asarray(x, np.float32), block_size)
-    _, kept, offset = _topk_layout(x.size, block_size)
-    where = np.sort(np.argpartition(-np.abs(blocks), kept - 1, axis=1)[:, :kept], axis=1)
-    chosen = np.take_along_axis(blocks, where, axis=1)
-    scales = (np.abs(chosen).max(axis=1) / 7.0).astype(np.float32)
-    safe = np.where(scales > 0, scales, 1.0)[:, None]
-    q = np.clip(np.rint(chosen / safe), -7, 7).astype(np.int8)
-    return bytes(
-        scales.astype("<f4").tobytes()
-        + where.astype(offset).tobytes()
-        + _pack_nibbles((q + 8).astype(np.uint8).ravel())
-    )
-
-
-def _topk_parts(
-    payload: Payload, n: int, block_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Checked scales, offsets (blocks x kept) and codes of a topk payload."""
-    nb, kept, offset = _topk_layout(n, block_size)
-    offsets_len = offset.itemsize * nb * kept
-    scales, body = scales_and_body(
-        payload, n, block_size, offsets_len + (nb * kept + 1) // 2, "topk"
-    )
-    where = np.frombuffer(body[:offsets_len].tobytes(), offset).reshape(nb, kept)
-    if (where >= block_size).any() or (np.diff(where.astype(np.int64), axis=1) <= 0).any():
-        raise CodecError(
-            "topk payload has offsets out of their block or not increasing; the payload is corrupt"
-        )
-    return scales, where, _unpack_nibbles(body[offsets_len:], nb * kept)
-
-
-def _check_topk(payload: Payload, n: int, block_size: int) -> None:
-    _topk_parts(payload, n, block_size)
-
-
-def _decode_topk(payload: Payload, n: int, block_size: int) -> np.ndarray:
-    scales, where, codes = _topk_parts(payload, n, block_size)
-    nb = scales.size
-    out = np.zeros((nb, block_size), np.float32)
-    values = (codes.astype(np.float32) - 8.0).reshape(where.shape) * scales[:, None]
-    np.put_along_axis(out, where.astype(np.intp), values, axis=1)
-    decoded: np.ndarray = out.ravel()[:n]
-    return decoded
-
-
 def _check_float(itemsize: int, dtype: object, what: str) -> Callable[[Payload, int, int], None]:
     def check(payload: Payload, n: int, _: int) -> None:
         expect_len(payload, itemsize * n, what)
@@ -316,13 +155,11 @@ def _check_float(itemsize: int, dtype: object, what: str) -> Callable[[Payload, 
     return check
 
 
-_E3M0 = Blockwise("e3m0", 2, 1.0, table_levels(byte_table(_e3m0_levels(), 2)))
-_INT2 = Blockwise("int2", 4, 1.5, table_levels(byte_table(np.arange(4, dtype=np.float32) - 1.5, 4)))
-_SIGN = Blockwise("sign", 8, 1.0, table_levels(byte_table(np.array([-1.0, 1.0], np.float32), 8)))
-
-
 @dataclass(frozen=True)
 class Codec:
+    """One wire format of a flat float32 vector, and every fact about it the services read:
+    its name and proto enum value, its functions, and what compiled paths it has."""
+
     name: str
     wire: int  # fragment_pb2.Codec value
     encode: Callable[[np.ndarray, int], bytes]
@@ -334,12 +171,27 @@ class Codec:
     # The payload is the values themselves (little-endian float32): summed and moved where
     # they lie, not decoded into a copy first.
     float32_payload: bool = False
+    uniform: Uniform | None = None  # blockwise uniform codes: encoded on devices too
+    about: str = ""  # what a value becomes, in a few words (the docs' table of codecs)
 
     @classmethod
     def of_blocks(
-        cls, name: str, wire: int, encode: Callable[[np.ndarray, int], bytes], blockwise: Blockwise
+        cls,
+        name: str,
+        wire: int,
+        encode: Callable[[np.ndarray, int], bytes],
+        blockwise: Blockwise,
+        about: str = "",
+        uniform: Uniform | None = None,
     ) -> Codec:
-        return cls(name, wire, encode, blockwise.decode, blockwise.check, blockwise)
+        decode, check = blockwise.decode, blockwise.check
+        return cls(name, wire, encode, decode, check, blockwise, False, uniform, about)
+
+    @classmethod
+    def of_uniform(
+        cls, name: str, wire: int, codes: Uniform, blockwise: Blockwise, about: str
+    ) -> Codec:
+        return cls.of_blocks(name, wire, codes.encode, blockwise, about, codes)
 
     def decode_onto(
         self, base: np.ndarray, out: np.ndarray, segment: Segment, block_size: int
@@ -462,53 +314,110 @@ class Codec:
         return np.frombuffer(segment.data, "<f4")
 
 
-REGISTRY: dict[str, Codec] = {
-    c.name: c
-    for c in (
-        Codec(
-            "fp32",
-            fragment_pb2.CODEC_FP32,
-            _encode_fp32,
-            _decode_fp32,
-            _check_float(4, "<f4", "fp32"),
-            float32_payload=True,
-        ),
-        Codec(
-            "bf16",
-            fragment_pb2.CODEC_BF16,
-            _encode_bf16,
-            _decode_bf16,
-            _check_float(2, ml_dtypes.bfloat16, "bf16"),
-        ),
-        Codec.of_blocks(
-            "int8",
-            fragment_pb2.CODEC_INT8,
-            _encode_int8,
-            # Codes -127..127 are written; a payload's -128 decodes too, so bounds use 128.
-            Blockwise("int8", 1, 128.0, int8_levels, INT8_FUSED),
-        ),
-        Codec.of_blocks(
-            "int4-uniform",
-            fragment_pb2.CODEC_INT4,
-            _encode_int4,
-            Blockwise("int4", 2, 8.0, offset_nibble_levels, NIBBLE_FUSED),
-        ),
-        Codec.of_blocks("e3m0", fragment_pb2.CODEC_E3M0, _encode_e3m0, _E3M0),
-        Codec.of_blocks("int2", fragment_pb2.CODEC_INT2, _encode_int2, _INT2),
-        Codec.of_blocks("sign", fragment_pb2.CODEC_SIGN, _encode_sign, _SIGN),
-        Codec(
-            "topk",
-            fragment_pb2.CODEC_TOPK,
-            _encode_topk,
-            _decode_topk,
-            _check_topk,
-        ),
+# Every codec by each name it answers to, in the order `--codec` offers them: the config's
+# choices, the Helm schema's enum and the docs' table all follow from it (`register`).
+REGISTRY: dict[str, Codec] = {}
+_BY_WIRE: dict[int, Codec] = {}
+
+
+def register(codec: Codec, *aliases: str) -> Codec:
+    """Add a codec, with other names it answers to (offered before its own): a new codec is
+    its functions, one call of this, and its value in proto/'s Codec enum."""
+    names = (*aliases, codec.name)
+    taken = [n for n in names if n in REGISTRY] + [str(codec.wire)] * (codec.wire in _BY_WIRE)
+    if taken:
+        raise ValueError(f"codec {codec.name!r}: {', '.join(taken)} already registered")
+    for name in names:
+        REGISTRY[name] = codec
+    _BY_WIRE[codec.wire] = codec
+    return codec
+
+
+register(
+    Codec(
+        "fp32",
+        fragment_pb2.CODEC_FP32,
+        _encode_fp32,
+        _decode_fp32,
+        _check_float(4, "<f4", "fp32"),
+        float32_payload=True,
+        about="the float32 values themselves, little-endian",
     )
-}
-_BY_WIRE = {c.wire: c for c in REGISTRY.values()}
+)
+register(
+    Codec(
+        "bf16",
+        fragment_pb2.CODEC_BF16,
+        _encode_bf16,
+        _decode_bf16,
+        _check_float(2, ml_dtypes.bfloat16, "bf16"),
+        about="bfloat16, rounded to nearest even",
+    )
+)
+register(
+    Codec.of_uniform(
+        "int8",
+        fragment_pb2.CODEC_INT8,
+        Uniform(127, 1),
+        # Codes -127..127 are written; a payload's -128 decodes too, so bounds use 128.
+        Blockwise("int8", 1, 128.0, int8_levels, INT8_FUSED),
+        "per-block absmax scales, values -127..127",
+    )
+)
 # `--codec int4`: the 4-bit codec that measured better (docs/BENCHMARKS.md, 4-bit codecs).
 INT4_DEFAULT = "int4-uniform"
-REGISTRY["int4"] = REGISTRY[INT4_DEFAULT]
+register(
+    Codec.of_uniform(
+        INT4_DEFAULT,
+        fragment_pb2.CODEC_INT4,
+        Uniform(7, 2),
+        Blockwise("int4", 2, 8.0, offset_nibble_levels, NIBBLE_FUSED),
+        "per-block absmax scales, values -7..7",
+    ),
+    "int4",
+)
+register(
+    Codec.of_blocks(
+        "e3m0",
+        fragment_pb2.CODEC_E3M0,
+        formats.encode_e3m0,
+        formats.E3M0,
+        "sign and 3-bit exponent per value, per-block absmax",
+    )
+)
+register(
+    Codec.of_blocks(
+        "int2",
+        fragment_pb2.CODEC_INT2,
+        formats.encode_int2,
+        formats.INT2,
+        "four levels, (q - 1.5) x the block's root mean square",
+    )
+)
+register(
+    Codec.of_blocks(
+        "sign",
+        fragment_pb2.CODEC_SIGN,
+        formats.encode_sign,
+        formats.SIGN,
+        "one bit a value, times the block's mean magnitude",
+    )
+)
+register(
+    Codec(
+        "topk",
+        fragment_pb2.CODEC_TOPK,
+        formats.encode_topk,
+        formats.decode_topk,
+        formats.check_topk,
+        about="each block's largest 1/32 by magnitude, their offsets and 4-bit values; the "
+        "rest waits in the residual",
+    )
+)
+# Each uniform codec's (largest code, codes a byte), by name: read from the registry.
+UNIFORM_CODES = {
+    c.name: (c.uniform.largest, c.uniform.per_byte) for c in REGISTRY.values() if c.uniform
+}
 
 
 def by_name(name: str) -> Codec:

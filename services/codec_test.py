@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from services import codec as codecs
-from services import kernels
+from services import formats, kernels
 
 
 @pytest.fixture
@@ -164,7 +164,7 @@ def test_topk_sends_each_blocks_largest_values_within_half_a_quantum(n: int, blo
     payload = codec.encode(x, block)
     codec.check(payload, n, block)
     y = codec.decode(payload, n, block)
-    kept = max(1, block // codecs.TOPK_SHARE)
+    kept = max(1, block // formats.TOPK_SHARE)
     for start in range(0, n, block):
         xb, yb = x[start : start + block], y[start : start + block]
         largest = np.argsort(-np.abs(xb), kind="stable")[:kept]

@@ -8,7 +8,7 @@ import os
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 from pydantic.fields import FieldInfo
@@ -21,12 +21,15 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from services.codec import DEFAULT_BLOCK_SIZE, REGISTRY
+from services.codec import DEFAULT_BLOCK_SIZE, REGISTRY, by_wire
+from services.gen.atoll.v1 import session_pb2
 from services.wire import DEFAULT_MAX_CHUNK_BYTES
 
 Mode = Literal["decoupled", "sync"]
-CodecName = Literal["fp32", "bf16", "int8", "int4", "int4-uniform", "e3m0", "int2", "sign", "topk"]
-assert set(CodecName.__args__) == set(REGISTRY)  # type: ignore[attr-defined]
+if TYPE_CHECKING:
+    CodecName = str
+else:  # every name the codec registry answers to, in its order: `--codec`'s choices
+    CodecName = Literal[tuple(REGISTRY)]
 
 
 # Protocol: while a job has no parameters, one joining learner alone may send them for this
@@ -403,3 +406,24 @@ class SynchronizerSettings(JobConfig, AtollSettings):
             "no TLS certificate: pass --tls-cert and --tls-key (and --tls-ca to require learner "
             "certificates), or --insecure to serve plaintext on a trusted network"
         )
+
+
+# The fields of the job's config a learner receives on join (session.proto's JobConfig):
+# each bears its JobConfig field's name, so the proto message declares which travel.
+WELCOME_FIELDS = tuple(session_pb2.JobConfig.DESCRIPTOR.fields_by_name)
+
+
+def job_config_to_proto(config: JobConfig) -> session_pb2.JobConfig:
+    """The job's config as a joining learner receives it; the codec by its wire value."""
+    values: dict[str, Any] = {name: getattr(config, name) for name in WELCOME_FIELDS}
+    values["codec"] = REGISTRY[config.codec].wire
+    return session_pb2.JobConfig(**values)
+
+
+def job_config_from_proto(message: session_pb2.JobConfig) -> JobConfig:
+    """`job_config_to_proto`'s inverse: the fields it carries, checked as flags are (a codec
+    by its registered name, ValueError for one not registered); every other field at its
+    default."""
+    values: dict[str, Any] = {name: getattr(message, name) for name in WELCOME_FIELDS}
+    values["codec"] = by_wire(message.codec).name
+    return JobConfig.model_validate(values)

@@ -18,7 +18,6 @@ from services.codec import (
     DEFAULT_MAX_CHUNK_BYTES,
     FLOAT32_TINY,
     SMALL_SCALE,
-    UNIFORM_CODES,
     Codec,
     Payload,
     Segment,
@@ -58,14 +57,14 @@ def fused_step(
     path does, where the step's values are not finite (the merge is then given up)."""
     f, mu, neg_lr = np.float32(factor), np.float32(momentum), np.float32(-lr)
     no_trace = np.zeros(0, np.float32) if trace is None else trace
-    if codec.name == "fp32":
+    if codec.float32_payload:
         out = np.empty(total.size, "<f4")
         kernels.fp32_step(total, f, no_trace, mu, neg_lr, residual, theta, out)
         finite(out)
         return out.view(np.uint8).data  # the encoded bytes in place: no copy
-    if codec.name not in UNIFORM_CODES:
+    if codec.uniform is None:
         return None
-    largest, per_byte = UNIFORM_CODES[codec.name]
+    largest, per_byte = codec.uniform.largest, codec.uniform.per_byte
     if block_size % per_byte:
         return None
     nb = blocks_of(total.size, block_size)

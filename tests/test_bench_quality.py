@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.quality import eval_command, fingerprints, gaps, rows, run, steps_of
-from bench.settings import QualityBench
+from bench.quality import QualityBench, eval_command, fingerprints, gaps, rows, run, steps_of
 from cluster.processes import atoll_command
 from learner.model import TransformerConfig
 

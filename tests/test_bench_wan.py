@@ -6,8 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.settings import WanBench
-from bench.wan import eval_curve, planned, plot_race, result, throughput_kept, time_to_loss
+from bench.wan import (
+    WanBench,
+    eval_curve,
+    planned,
+    plot_race,
+    result,
+    throughput_kept,
+    time_to_loss,
+)
 
 
 def test_the_curve_puts_every_learners_evaluations_on_the_runs_clock() -> None:

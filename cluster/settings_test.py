@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.settings import UpSettings
-from cluster.up import data_parallel, refused
+from cluster.settings import UpSettings, data_parallel, refused
 
 
 def settings(**values: object) -> UpSettings:
