@@ -45,7 +45,7 @@ from services.grpcopts import channel_options
 from services.layout import LeafSpec, fragment_layout
 from services.wire import DEFAULT_MAX_CHUNK_BYTES, segments_header
 from synchronizer import inspect
-from synchronizer.keys import JobKeys
+from synchronizer.store.keys import JobKeys
 
 if TYPE_CHECKING:
     from bench.settings import ScaleBench, ScaleLearner

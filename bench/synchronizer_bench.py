@@ -57,8 +57,8 @@ from services.grpcopts import channel_options, server_options
 from services.layout import LeafSpec
 from services.lifecycle import reuse_large_buffers, watch_parent
 from services.wire import DEFAULT_MAX_CHUNK_BYTES
-from synchronizer.admission import Arrived, parse_chunk
-from synchronizer.keys import JobKeys
+from synchronizer.core.admission import Arrived, parse_chunk
+from synchronizer.store.keys import JobKeys
 from synchronizer.worker import TOGETHER
 
 if TYPE_CHECKING:

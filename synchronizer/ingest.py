@@ -26,9 +26,10 @@ from services.config import JobConfig
 from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout
 from synchronizer import auth
-from synchronizer.admission import (
+from synchronizer.core.admission import (
     Arrived,
     Rejection,
+    Status,
     check_chunk,
     check_header,
     check_update_fields,
@@ -37,7 +38,7 @@ from synchronizer.admission import (
 from synchronizer.owner import FragmentOwner, NormTooLarge
 from synchronizer.ownership import Ownership
 from synchronizer.parts import Gathering, Parts, Summing, begin_update, combined_checksum
-from synchronizer.store import ControlStore
+from synchronizer.store.redis_store import ControlStore
 from synchronizer.worker import WorkerShutDown
 
 log = structlog.get_logger("atoll.synchronizer.ingest")
@@ -49,32 +50,32 @@ WAIT_DOWNLINK = tm.INGEST_WAIT_SECONDS.labels(phase="downlink")
 
 NOT_OWNER = "not the owner of fragment {p}; look up the owner map again and resend"
 
-REFUSALS: dict[str, tuple[str, grpc.StatusCode, str]] = {
+REFUSALS: dict[str, tuple[str, Status, str]] = {
     "stale": (
         "stale",
-        grpc.StatusCode.FAILED_PRECONDITION,
+        Status.FAILED_PRECONDITION,
         "update is based on version {base}, fragment is at {version}: more than "
         "{max_staleness} behind; fetch the fragment and continue from it",
     ),
     "future": (
         "bad_request",
-        grpc.StatusCode.INVALID_ARGUMENT,
+        Status.INVALID_ARGUMENT,
         "update claims base version {base}, newer than the fragment's {version}; the "
         "learner's state is corrupt, restart it",
     ),
     "uninitialized": (
         "bad_request",
-        grpc.StatusCode.FAILED_PRECONDITION,
+        Status.FAILED_PRECONDITION,
         "fragment {p} has no global value yet; send the job's initial parameters first",
     ),
     "checksum": (
         "checksum",
-        grpc.StatusCode.INVALID_ARGUMENT,
+        Status.INVALID_ARGUMENT,
         "update {seq} was received before with other bytes; a retry must resend the same update",
     ),
     "superseded": (
         "bad_request",
-        grpc.StatusCode.FAILED_PRECONDITION,
+        Status.FAILED_PRECONDITION,
         "incarnation {incarnation!r} of learner slot {learner!r} is not the slot's current one "
         "(a newer one said hello since, or this one never did): this process must stop; a "
         "learner sends its updates under the incarnation of its session",
@@ -187,7 +188,7 @@ class Ingest:
             if layout is None:
                 raise Rejection(
                     "bad_request",
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Status.FAILED_PRECONDITION,
                     "the job has no parameter spec yet; a learner must say hello first",
                 )
             codec = check_header(first.header, first.kind, first.c_steps, layout)
@@ -214,7 +215,7 @@ class Ingest:
                 first,
                 Rejection(
                     "bad_request",
-                    grpc.StatusCode.UNAVAILABLE,
+                    Status.UNAVAILABLE,
                     "the synchronizer cannot reach its control store to see that the slot's "
                     "session is live; resend later",
                 ),
@@ -226,7 +227,7 @@ class Ingest:
                 first,
                 Rejection(
                     "not_live",
-                    grpc.StatusCode.UNAVAILABLE,
+                    Status.UNAVAILABLE,
                     f"learner slot {first.learner_id[:64]!r} has no live session: updates "
                     "count only from a learner whose Session said hello and keeps its "
                     "heartbeats; open the session (or wait for it to reconnect) and resend",
@@ -241,7 +242,7 @@ class Ingest:
                 first,
                 Rejection(
                     "bad_request",
-                    grpc.StatusCode.PERMISSION_DENIED,
+                    Status.PERMISSION_DENIED,
                     f"a fragment's first values come from the job's initializer slot "
                     f"{initializer[:64]!r} (--initializer), not from {first.learner_id[:64]!r}; "
                     "wait for them",
@@ -266,14 +267,14 @@ class Ingest:
             chunk, data = current
             if index >= first.header.chunk_count:
                 raise Rejection(
-                    "out_of_order", grpc.StatusCode.INVALID_ARGUMENT, "more chunks than announced"
+                    "out_of_order", Status.INVALID_ARGUMENT, "more chunks than announced"
                 )
             check_chunk(chunk, first, index, expected_offset, n)
             received += len(data)
             if received > first.header.total_bytes:
                 raise Rejection(
                     "shape_mismatch",
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Status.INVALID_ARGUMENT,
                     f"the chunks hold more than the {first.header.total_bytes} bytes announced",
                 )
             yield current
@@ -289,7 +290,7 @@ class Ingest:
         ):
             raise Rejection(
                 "out_of_order",
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Status.INVALID_ARGUMENT,
                 f"the update ended after {expected_offset} of {n} values, {received} of "
                 f"{first.header.total_bytes} bytes ({index} of {first.header.chunk_count} "
                 "chunks); resend it whole",
@@ -308,7 +309,7 @@ class Ingest:
                 first,
                 Rejection(
                     "bad_request",
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Status.INVALID_ARGUMENT,
                     f"the {owner.rule.name} merge needs the norm of each of the fragment's "
                     f"{len(owner.segments)} tensors in the first chunk (tensor_norms)",
                 ),
@@ -335,13 +336,13 @@ class Ingest:
             if update.hasher.intdigest() != first.header.checksum:
                 raise Rejection(
                     "checksum",
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Status.INVALID_ARGUMENT,
                     "payload checksum mismatch: bytes were corrupted; resend the update",
                 )
             try:
                 owner.check_norms(update)
             except NormTooLarge as err:
-                raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+                raise Rejection("norm", Status.INVALID_ARGUMENT, str(err)) from None
         except Rejection as rejection:
             await summing.drain()
             await owner.abandon(update)
@@ -372,7 +373,7 @@ class Ingest:
         if status == "not_owner":
             raise Rejection(
                 "bad_request",
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Status.FAILED_PRECONDITION,
                 NOT_OWNER.format(p=first.header.fragment),
             )
         reason, code, text = REFUSALS[status]
@@ -399,9 +400,7 @@ class Ingest:
                 values[chunk.value_offset : chunk.value_offset + chunk.value_count] = part
                 hasher.update(data)
             if hasher.intdigest() != first.header.checksum:
-                raise Rejection(
-                    "checksum", grpc.StatusCode.INVALID_ARGUMENT, "payload checksum mismatch"
-                )
+                raise Rejection("checksum", Status.INVALID_ARGUMENT, "payload checksum mismatch")
         except Rejection as rejection:
             return await self._refuse(first, rejection)
         return await self._take_initial(owner, first, values)
@@ -422,7 +421,7 @@ class Ingest:
                 first,
                 Rejection(
                     "bad_request",
-                    grpc.StatusCode.UNAVAILABLE,
+                    Status.UNAVAILABLE,
                     f"the synchronizer cannot write to its tensor store ({type(err).__name__}); "
                     "it retries: free space there or fix --tensor-store",
                 ),
@@ -456,9 +455,7 @@ class Ingest:
             try:
                 return await self._answer(owner, whole, status, version)
             except Rejection as rejection:  # not the owner now: again, to the new one
-                raise Rejection(
-                    rejection.reason, grpc.StatusCode.UNAVAILABLE, rejection.message
-                ) from None
+                raise Rejection(rejection.reason, Status.UNAVAILABLE, rejection.message) from None
 
         try:
             return await self.parts.admit(owner, codec, arrived, rest, finish)
@@ -493,7 +490,7 @@ class Ingest:
             seq=chunk.seq,
             fragment=chunk.header.fragment,
             status=session_pb2.ACK_STATUS_REJECTED,
-            code=rejection.code.value[0],
+            code=int(rejection.code),
             reason=rejection.message,
             version=version,
         )

@@ -34,7 +34,7 @@ from services import telemetry as tm
 from services.config import JobConfig
 from services.downlink import fused_step, step_segment
 from services.tape import Tape
-from synchronizer.merge import (
+from synchronizer.core.merge import (
     MERGE_RULES,
     Accumulator,
     OuterOptimizer,
@@ -43,11 +43,11 @@ from synchronizer.merge import (
     staleness_weight,
     token_weight,
 )
-from synchronizer.open_round import OpenRound
-from synchronizer.recent import Recent
-from synchronizer.rounds import RoundPolicy, RoundState, decide
-from synchronizer.store import Commit, ControlStore, Live, Pointer
-from synchronizer.tensors import TensorStore, object_name, version_of
+from synchronizer.core.open_round import OpenRound
+from synchronizer.core.recent import Recent
+from synchronizer.core.rounds import RoundPolicy, RoundState, decide
+from synchronizer.store.redis_store import Commit, ControlStore, Live, Pointer
+from synchronizer.store.tensors import TensorStore, object_name, version_of
 from synchronizer.values import VALUE_EVERY, keyframe_version, value_at
 from synchronizer.worker import FragmentWorker
 
@@ -837,7 +837,7 @@ class FragmentOwner:
     async def _record(
         self, update: Update, checksum: int, record: dict[str, Any]
     ) -> tuple[str, int]:
-        """Record the update in Redis (`lua/receive.lua`). The slot's idempotency records of
+        """Record the update in Redis (`store/lua/receive.lua`). The slot's idempotency records of
         this fragment are one incarnation's: while they are this update's (as far as this
         owner knows), one call; else only the slot's current incarnation (the last to say
         hello) may take their place, looked up first."""

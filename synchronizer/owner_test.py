@@ -11,7 +11,8 @@ import pytest
 from services import codec as codecs
 from services.config import JobConfig
 from services.tape import Tape
-from synchronizer.merge import RadialAccumulator
+from synchronizer.core.merge import RadialAccumulator
+from synchronizer.core.recent import Recent
 from synchronizer.owner import (
     MAX_STEP_SPAN,
     Chunk,
@@ -20,9 +21,8 @@ from synchronizer.owner import (
     Update,
     step_scale,
 )
-from synchronizer.recent import Recent
-from synchronizer.store import Live, LiveLearner
-from synchronizer.tensors import TensorStore
+from synchronizer.store.redis_store import Live, LiveLearner
+from synchronizer.store.tensors import TensorStore
 
 
 def test_an_update_of_more_steps_may_be_larger_and_one_of_fewer_is_held_to_the_noise_floor() -> (

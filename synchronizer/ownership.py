@@ -23,8 +23,8 @@ from services.layout import FragmentLayout
 from services.outage import OutageLog
 from services.tape import Tape
 from synchronizer.owner import FragmentOwner
-from synchronizer.store import ControlStore
-from synchronizer.tensors import TensorStore
+from synchronizer.store.redis_store import ControlStore
+from synchronizer.store.tensors import TensorStore
 
 log = structlog.get_logger("atoll.synchronizer.ownership")
 # A replica's registration and its fragments' leases lapse this long after its last renewal

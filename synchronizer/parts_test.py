@@ -1,8 +1,13 @@
-import grpc
 import pytest
 
 from services.gen.atoll.v1 import session_pb2
-from synchronizer.admission import Rejection, check_part_chunk, check_parts, check_same_update
+from synchronizer.core.admission import (
+    Rejection,
+    Status,
+    check_part_chunk,
+    check_parts,
+    check_same_update,
+)
 from synchronizer.parts import Coverage, combined_checksum
 
 
@@ -57,4 +62,4 @@ def test_parts_must_agree_on_the_updates_counters() -> None:
     check_same_update(chunk(part=1, c_steps=5, c_tokens=100), first)
     with pytest.raises(Rejection) as refused:
         check_same_update(chunk(part=1, c_steps=6, c_tokens=100), first)
-    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.code == Status.INVALID_ARGUMENT

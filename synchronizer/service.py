@@ -21,14 +21,14 @@ from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
 from services.tape import Tape
 from services.wirecount import counting_parser, counting_serializer, passing_bytes
-from synchronizer.admission import parse_chunk
+from synchronizer.core.admission import parse_chunk
 from synchronizer.followers import Followers
 from synchronizer.ingest import Ingest
 from synchronizer.owner import FragmentOwner
 from synchronizer.ownership import Ownership
 from synchronizer.session import Sessions, spec_from_json, spec_to_json
-from synchronizer.store import ControlStore, StoreError
-from synchronizer.tensors import TensorStore
+from synchronizer.store.redis_store import ControlStore, StoreError
+from synchronizer.store.tensors import TensorStore
 from synchronizer.values import RebuiltValues
 
 SERVICE_NAME = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name

@@ -27,8 +27,9 @@ from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
 from services.outage import OutageLog, every
 from services.tape import Tape
-from synchronizer import admission, auth, ranges
-from synchronizer.admission import (
+from synchronizer import auth, ranges
+from synchronizer.core import admission
+from synchronizer.core.admission import (
     Rejection,
     check_heartbeat,
     check_hello,
@@ -37,8 +38,9 @@ from synchronizer.admission import (
     spec_digest,
 )
 from synchronizer.ownership import Ownership
-from synchronizer.store import ControlStore
-from synchronizer.tensors import TensorStore
+from synchronizer.refusals import grpc_status
+from synchronizer.store.redis_store import ControlStore
+from synchronizer.store.tensors import TensorStore
 from synchronizer.values import RebuiltValues, float32_bytes
 
 log = structlog.get_logger("atoll.synchronizer.session")
@@ -268,7 +270,7 @@ class Sessions:
             check_hello(hello, cfg.job)
             auth.check_slot(hello.learner_id)
         except Rejection as rejection:
-            raise SessionClosed(rejection.code, rejection.message) from None
+            raise SessionClosed(*grpc_status(rejection)) from None
         except auth.AuthError as err:
             raise SessionClosed(err.code, err.details) from None
         slot = hello.learner_id
@@ -295,7 +297,7 @@ class Sessions:
             try:
                 spec = await asyncio.to_thread(parse_spec, hello.params, self.settings.fragments)
             except Rejection as rejection:
-                raise SessionClosed(rejection.code, rejection.message) from None
+                raise SessionClosed(*grpc_status(rejection)) from None
             except LayoutError as err:
                 raise SessionClosed(
                     grpc.StatusCode.INVALID_ARGUMENT, f"bad model spec: {err}"
@@ -424,7 +426,7 @@ class Sessions:
         try:
             check_heartbeat(hb)
         except Rejection as rejection:
-            conn.outbox.put_nowait(SessionClosed(rejection.code, rejection.message))
+            conn.outbox.put_nowait(SessionClosed(*grpc_status(rejection)))
             return False
         now = time.monotonic()
         rate = self.settings.max_steps_per_s
@@ -588,7 +590,7 @@ class Sessions:
         try:
             admission.check_job(request.job, self.settings.job)
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await context.abort(*grpc_status(rejection))
         layout = self._layout()
         if layout is None or not await self.store.is_initialized(layout.num_fragments):
             await context.abort(
@@ -602,14 +604,14 @@ class Sessions:
                 "state fetch", layout.num_fragments, named, request.fragments
             )
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await context.abort(*grpc_status(rejection))
         wanted = list(dict.fromkeys(request.fragments)) or list(range(layout.num_fragments))
         for p in wanted:
             if p in request.ranges or p in request.versions:
                 try:
                     chunks = await self._ranges(p, request, layout)
                 except Rejection as rejection:
-                    await context.abort(rejection.code, rejection.message)
+                    await context.abort(*grpc_status(rejection))
             else:
                 chunks = await self.fragment_chunks(p, request.held.get(p))
             for chunk in chunks:

@@ -26,8 +26,8 @@ import numpy as np
 
 from services import codec as codecs
 from services.downlink import apply_segment
-from synchronizer.store import ControlStore, Pointer
-from synchronizer.tensors import TensorStore, TensorStoreError, version_of
+from synchronizer.store.redis_store import ControlStore, Pointer
+from synchronizer.store.tensors import TensorStore, TensorStoreError, version_of
 
 VALUE_EVERY = 8
 _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="atoll-rebuild")

@@ -23,7 +23,7 @@ from redis.asyncio.sentinel import Sentinel
 from redis.commands.core import AsyncScript
 
 from services.config import INIT_CLAIM_S
-from synchronizer.keys import JobKeys
+from synchronizer.store.keys import JobKeys
 
 SUPPORTED_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel")
 SEEN_TTL_S = 7 * 86_400  # a slot's idempotency records of a fragment it stopped sending to
@@ -160,7 +160,7 @@ class ControlStore:
         self.redis = client
         self.job = job
         self.keys = JobKeys(job)
-        lua = resources.files("synchronizer") / "lua"
+        lua = resources.files("synchronizer.store") / "lua"
         self._scripts: dict[str, AsyncScript] = {
             path.name.removesuffix(".lua"): client.register_script(path.read_text())
             for path in lua.iterdir()

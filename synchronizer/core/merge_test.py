@@ -3,7 +3,7 @@ import pytest
 
 from services.codec import CodecError, by_name
 from services.downlink import fused_step, step_segment
-from synchronizer.merge import (
+from synchronizer.core.merge import (
     MERGE_RULES,
     OuterOptimizer,
     capped_weights,

@@ -1,6 +1,6 @@
 import pytest
 
-from synchronizer.rounds import RoundPolicy, RoundState, decide, grace_window, required_quorum
+from synchronizer.core.rounds import RoundPolicy, RoundState, decide, grace_window, required_quorum
 
 POLICY = RoundPolicy(mode="decoupled", quorum=2, overlap_steps=10, gamma=0.8, fixed_grace_s=None)
 
@@ -97,7 +97,7 @@ def test_a_round_no_live_learner_can_add_to_merges_without_waiting_out_its_grace
 
 
 def test_the_adaptive_grace_window_is_capped() -> None:
-    from synchronizer.rounds import RoundPolicy, RoundState, decide
+    from synchronizer.core.rounds import RoundPolicy, RoundState, decide
 
     policy = RoundPolicy(
         mode="decoupled", quorum=1, overlap_steps=5, gamma=0.8, fixed_grace_s=None, max_grace_s=30.0
@@ -111,7 +111,7 @@ def test_the_adaptive_grace_window_is_capped() -> None:
 
 
 def test_a_round_waits_for_an_update_streaming_in_for_at_most_a_merges_time() -> None:
-    from synchronizer.rounds import RoundPolicy, RoundState, decide
+    from synchronizer.core.rounds import RoundPolicy, RoundState, decide
 
     policy = RoundPolicy("decoupled", 1, 5, 0.8, None)
 

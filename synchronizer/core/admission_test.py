@@ -1,4 +1,3 @@
-import grpc
 import numpy as np
 import pytest
 
@@ -6,9 +5,10 @@ from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from services.layout import LeafSpec, fragment_layout
 from services.wire import segments_header
-from synchronizer.admission import (
+from synchronizer.core.admission import (
     MAX_LEAVES,
     Rejection,
+    Status,
     check_header,
     check_heartbeat,
     check_hello,
@@ -47,7 +47,7 @@ def test_bad_headers_are_refused(kw: dict[str, int], kind: int, c_steps: int, re
     with pytest.raises(Rejection) as info:
         check_header(header(**kw), kind, c_steps, LAYOUT)
     assert info.value.reason == reason
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.code == Status.INVALID_ARGUMENT
     assert info.value.message
 
 

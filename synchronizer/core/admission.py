@@ -1,17 +1,19 @@
 """Which updates the synchronizer admits: pure checks, each refusal with a reason to act on.
 
-Nothing here touches state; a refused update never reaches the store.
+Nothing here touches state; a refused update never reaches the store. A refusal carries its
+status as a `Status` (gRPC's numbering); the shell turns it into gRPC's own at the edge
+(`synchronizer/refusals.py`).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import grpc
 import numpy as np
 
 from services import codec as codecs
@@ -42,10 +44,21 @@ def parse_chunk(message: bytes) -> Arrived:
     return Arrived(session_pb2.UpdateChunk.FromString(rest), data)
 
 
+class Status(enum.IntEnum):
+    """The status a refusal is answered with, numbered as gRPC numbers its status codes."""
+
+    INVALID_ARGUMENT = 3
+    NOT_FOUND = 5
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    UNAVAILABLE = 14
+
+
 @dataclass(frozen=True)
 class Rejection(Exception):
     reason: str  # one of telemetry.REJECT_REASONS
-    code: grpc.StatusCode
+    code: Status
     message: str
 
     def __str__(self) -> str:
@@ -53,7 +66,7 @@ class Rejection(Exception):
 
 
 def _invalid(reason: str, message: str) -> Rejection:
-    return Rejection(reason, grpc.StatusCode.INVALID_ARGUMENT, message)
+    return Rejection(reason, Status.INVALID_ARGUMENT, message)
 
 
 def check_header(
@@ -267,7 +280,7 @@ def check_job(asked: str, served: str) -> None:
     if asked != served:
         raise Rejection(
             "bad_request",
-            grpc.StatusCode.FAILED_PRECONDITION,
+            Status.FAILED_PRECONDITION,
             f"this synchronizer serves job {served!r}, not {asked[:MAX_NAME_CHARS]!r}; check --job",
         )
 
