@@ -35,9 +35,10 @@ from synchronizer.core.admission import (
     check_update_fields,
     initial_values,
 )
-from synchronizer.owner import FragmentOwner, NormTooLarge
+from synchronizer.owner import FragmentOwner
 from synchronizer.ownership import Ownership
 from synchronizer.parts import Gathering, Parts, Summing, begin_update, combined_checksum
+from synchronizer.records import NormTooLarge
 from synchronizer.store.redis_store import ControlStore
 from synchronizer.worker import WorkerShutDown
 

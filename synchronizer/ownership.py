@@ -22,7 +22,8 @@ from services.config import JobConfig
 from services.layout import FragmentLayout
 from services.outage import OutageLog
 from services.tape import Tape
-from synchronizer.owner import FragmentOwner
+from synchronizer.owner import EVALUATE_EVERY_S, FragmentOwner
+from synchronizer.records import OwnerLost
 from synchronizer.store.redis_store import ControlStore
 from synchronizer.store.tensors import TensorStore
 
@@ -144,8 +145,6 @@ class Ownership:
     async def _round_loop(self, owner: FragmentOwner) -> None:
         """Evaluate the fragment's round whenever an update arrives, and at least every
         EVALUATE_EVERY_S (grace windows end, learners die or finish)."""
-        from synchronizer.owner import EVALUATE_EVERY_S, OwnerLost
-
         outage = OutageLog(log, "round_failed", "round_resumed", fragment=owner.fragment)
         while not owner.lost:
             with contextlib.suppress(TimeoutError):

@@ -41,7 +41,8 @@ from synchronizer.core.admission import (
     codec_refusal,
     initial_values,
 )
-from synchronizer.owner import FragmentOwner, NormTooLarge, RoundBusy, Update
+from synchronizer.owner import FragmentOwner
+from synchronizer.records import NormTooLarge, RoundBusy, Update
 
 SUMMING_AHEAD = 3  # chunks of one update queued on the fragment's worker while more arrive
 KEEP_ANSWERS = 4096  # final answers kept for parts sent again

@@ -1,6 +1,17 @@
+from dataclasses import dataclass
+
 import pytest
 
-from synchronizer.core.rounds import RoundPolicy, RoundState, decide, grace_window, required_quorum
+from synchronizer.core.rounds import (
+    Live,
+    LiveLearner,
+    RoundPolicy,
+    RoundState,
+    decide,
+    grace_window,
+    required_quorum,
+    round_state,
+)
 
 POLICY = RoundPolicy(mode="decoupled", quorum=2, overlap_steps=10, gamma=0.8, fixed_grace_s=None)
 
@@ -193,3 +204,47 @@ def test_every_live_learner_by_default_and_a_straggler_is_waited_for_one_period(
     # A configured K stays a hard minimum: no waiting out.
     k2 = state(1, live=3, now=1000.0, first_update_at=100.0, patience_s=4.0)
     assert not decide(k2, POLICY, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+
+
+@dataclass
+class _Arriving:
+    arrived: int
+    first_at: float
+    first_values: int
+
+
+def test_a_rounds_state_counts_who_may_still_send_and_when_streaming_updates_come_in() -> None:
+    """Live learners not in the round and not finished (or finishing with this fragment
+    still to send) wait, and so do slots sending without a live session; an update
+    streaming in is expected at the pace of its chunks after its first, none before its
+    second; patience is H steps of the slowest member."""
+    live = Live(
+        now_s=0.0,
+        learners=(
+            LiveLearner("a", 0.5, False, None),  # a member
+            LiveLearner("b", 2.0, False, None),  # waiting
+            LiveLearner("c", 1.0, False, frozenset({3})),  # finishing, fragment 3 to send
+            LiveLearner("d", 1.0, False, frozenset({1})),  # finishing, not this fragment
+            LiveLearner("e", 1.0, True, None),  # finished
+        ),
+    )
+    state, slowest = round_state(
+        live,
+        fragment=3,
+        size=1024,
+        contributors={"a"},
+        sending={"b", "ghost"},
+        streaming=[_Arriving(768, 10.0, 256), _Arriving(256, 11.0, 256)],
+        first_update_at=9.0,
+        opened_at=5.0,
+        quorum_at=None,
+        deadline=None,
+        now=12.0,
+        inner_steps=10,
+    )
+    assert (state.contributors, state.live_learners, state.finished_learners) == (1, 5, 1)
+    assert state.waiting == 3  # b, c, and the ghost sending without a session
+    assert state.streaming_eta_s == pytest.approx((1.0,))  # 512 values in 2 s, 256 to come
+    assert state.patience_s == 5.0  # 10 steps of the member's 0.5 s
+    assert state.first_update_at == 9.0
+    assert slowest == 2.0

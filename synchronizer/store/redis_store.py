@@ -23,6 +23,7 @@ from redis.asyncio.sentinel import Sentinel
 from redis.commands.core import AsyncScript
 
 from services.config import INIT_CLAIM_S
+from synchronizer.core.rounds import Live, LiveLearner
 from synchronizer.store.keys import JobKeys
 
 SUPPORTED_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel")
@@ -63,20 +64,6 @@ class Hello:
     initializer: bool  # the job has no parameters yet and this learner is to send them
     counted_steps: int = 0  # the slot's steps toward the job's budget, as counted now
     steps_done: int = 0  # the job's steps over all slots, as counted now
-
-
-@dataclass(frozen=True)
-class LiveLearner:
-    learner: str
-    step_time_ema_s: float  # 0 when not reported yet
-    finished: bool  # sent its last update
-    still_to_send: frozenset[int] | None  # finishing: fragments it still sends; None: not
-
-
-@dataclass(frozen=True)
-class Live:
-    now_s: float  # Redis time
-    learners: tuple[LiveLearner, ...]
 
 
 @dataclass(frozen=True)
