@@ -59,6 +59,7 @@ from services.goodput import commits, slot_seconds
 from services.tape import Tape
 from services.tape import read as read_tape
 from synchronizer import inspect
+from synchronizer.core.merge import REGISTRY
 
 QUIET_BEFORE_STOP_S = 1.0
 COORDINATOR_PORT = 7777  # data-parallel's coordination service, in a fresh namespace
@@ -402,7 +403,7 @@ class LocalCluster:
         n = self.s.processes_per_learner
         if n == 1:
             return []
-        if self.s.merge != "mean":
+        if not REGISTRY[self.s.merge].sums_in_parts:
             raise ValueError(
                 "--processes-per-learner: each process sends its own part of an update, which "
                 "only --merge mean can sum part by part"

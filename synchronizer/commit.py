@@ -24,7 +24,7 @@ from services import telemetry as tm
 from services.config import JobConfig
 from services.downlink import fused_step, step_segment
 from services.tape import Tape
-from synchronizer.core.merge import Accumulator, OuterOptimizer
+from synchronizer.core.merge import OuterOptimizer, RoundSum
 from synchronizer.records import OwnerLost, Update
 from synchronizer.store.redis_store import Commit, ControlStore, Pointer
 from synchronizer.store.tensors import TensorStore, object_name, version_of
@@ -121,7 +121,7 @@ class FragmentState:
         await self.keyframes.write(frame, values, arrays)
         return frame.value, frame.state
 
-    def step(self, sealed: Accumulator, scale: float) -> list[codecs.Segment]:
+    def step(self, sealed: RoundSum, scale: float) -> list[codecs.Segment]:
         """The outer step and the downlink delta, in place, segment by segment; segments
         are independent, so they run on every core (numpy releases the GIL)."""
         sealed.prepare()
@@ -159,7 +159,7 @@ class FragmentState:
     async def commit(
         self,
         updates: list[Update],
-        sealed: Accumulator,
+        sealed: RoundSum,
         scale: float,
         ready: float,
         phases: Phases,

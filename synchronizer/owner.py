@@ -32,8 +32,8 @@ from synchronizer.core.admission import (
     update_weight,
 )
 from synchronizer.core.merge import (
-    MERGE_RULES,
-    Accumulator,
+    REGISTRY,
+    RoundSum,
     live_round_scale,
     staleness_weight,
     token_weight,
@@ -67,7 +67,7 @@ class FragmentOwner:
         self.fragment, self.size, self.segments = fragment, size, tuple(segments)
         self.epoch, self.replica = epoch, replica
         self.config, self.store, self.tensors, self.tape = config, store, tensors, tape
-        self.rule = MERGE_RULES[config.merge]
+        self.rule = REGISTRY[config.merge]
         self.policy = RoundPolicy(
             mode=config.mode,
             quorum=config.quorum,
@@ -392,7 +392,7 @@ class FragmentOwner:
         finally:
             self.merging = False
 
-    def seal(self) -> tuple[list[Update], Accumulator]:
+    def seal(self) -> tuple[list[Update], RoundSum]:
         """Close the round: its members and sum. Updates still arriving belong to the next
         round from now on; their chunks summed so far move there (queued on the worker
         before the merge's own job)."""
@@ -409,7 +409,7 @@ class FragmentOwner:
     async def _commit(
         self,
         updates: list[Update],
-        sealed: Accumulator,
+        sealed: RoundSum,
         live_learners: frozenset[str] | None,
         ready: float,
     ) -> None:

@@ -11,7 +11,7 @@ import pytest
 from services import codec as codecs
 from services.config import JobConfig
 from services.tape import Tape
-from synchronizer.core.merge import RadialAccumulator
+from synchronizer.core.merge.rules.radial import Radial
 from synchronizer.core.recent import Recent
 from synchronizer.core.rounds import Live, LiveLearner
 from synchronizer.owner import FragmentOwner
@@ -264,6 +264,6 @@ def test_under_radial_merging_a_clipped_update_keeps_its_direction_and_counts_cl
     assert math.isclose(big.clip, 0.1, rel_tol=1e-5)
     np.testing.assert_allclose(owner.sums.current.total, x / norm, rtol=1e-5, atol=1e-7)  # unit
     radial = owner.sums.current
-    assert isinstance(radial, RadialAccumulator)
+    assert isinstance(radial, Radial)
     assert math.isclose(float(radial.norm_sum[0]), 0.1 * norm, rel_tol=1e-5)
     owner.close()

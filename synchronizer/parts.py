@@ -146,7 +146,8 @@ class Parts:
         the Rejection that refuses this part (and, but for a duplicate, the update)."""
         first = arrived.chunk
         outer = first.kind == session_pb2.UPDATE_KIND_OUTER_GRADIENT
-        check_parts(first, owner.size, outer and owner.rule.needs_norms)
+        whole_only = outer and not owner.rule.sums_in_parts
+        check_parts(first, owner.size, owner.rule.name if whole_only else None)
         key = (owner.fragment, owner.epoch, first.learner_id, first.incarnation, first.seq)
         kept = self.answers.get(key)
         if kept is not None:

@@ -37,12 +37,12 @@ def chunk(**kw: int) -> session_pb2.UpdateChunk:
 
 
 def test_part_numbers_and_the_merge_rule_are_checked() -> None:
-    check_parts(chunk(), size=100, needs_norms=False)
+    check_parts(chunk(), size=100, whole_only=None)
     for bad in (chunk(part=2), chunk(parts=1000), chunk(parts=3, part=3)):
         with pytest.raises(Rejection):
-            check_parts(bad, size=100, needs_norms=False)
+            check_parts(bad, size=100, whole_only=None)
     with pytest.raises(Rejection, match="--merge mean"):
-        check_parts(chunk(), size=100, needs_norms=True)
+        check_parts(chunk(), size=100, whole_only="radial")
 
 
 def test_a_parts_chunks_come_in_order_inside_the_fragment() -> None:

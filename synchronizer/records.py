@@ -13,7 +13,7 @@ from typing import Any
 import xxhash
 
 from services import codec as codecs
-from synchronizer.core.merge import Accumulator
+from synchronizer.core.merge import RoundSum
 
 
 class RoundBusy(ValueError):
@@ -39,7 +39,7 @@ class Chunk:
     is provisional), kept until its update is received (provisional: until its round merges)."""
 
     segment: codecs.Segment
-    accumulator: Accumulator | None
+    accumulator: RoundSum | None
 
 
 @dataclass(eq=False)
@@ -57,7 +57,7 @@ class Update:
     norms: tuple[float, ...]
     codec: codecs.Codec
     block_size: int
-    accumulator: Accumulator
+    accumulator: RoundSum
     chunks: list[Chunk] = field(default_factory=list)
     hasher: Any = field(default_factory=xxhash.xxh3_64)
     norm_bound: float = math.inf

@@ -24,7 +24,7 @@ import numpy as np
 from services import codec as codecs
 from services.config import JobConfig
 from synchronizer.core.admission import update_weight
-from synchronizer.core.merge import Accumulator, MergeRule, capped_weights
+from synchronizer.core.merge import MergeRule, RoundSum, capped_weights
 from synchronizer.records import Chunk, NormTooLarge, Update
 from synchronizer.worker import FragmentWorker
 
@@ -47,7 +47,7 @@ def _apart(ranges: list[Range]) -> bool:
     return True
 
 
-def _ascending(chunks: list[tuple[int, Update, codecs.Segment, Accumulator]]) -> bool:
+def _ascending(chunks: list[tuple[int, Update, codecs.Segment, RoundSum]]) -> bool:
     """Whether each update's chunks came in ascending order of their values."""
     last: dict[int, int] = {}
     for _, update, segment, _ in chunks:
@@ -86,7 +86,7 @@ class RoundSums:
         take-out), behind those of its kind queued before it."""
         return await asyncio.wrap_future(self.worker.urgent(fn, *args))
 
-    def seal(self) -> Accumulator:
+    def seal(self) -> RoundSum:
         """The open round's sum, closed: a new one is open from now on."""
         sealed, self.current = self.current, self.rule.new(self.size, self.segments)
         return sealed
@@ -98,7 +98,7 @@ class RoundSums:
     def summed_weight(self, update: Update) -> float:
         """What an update's values are multiplied by in its round's sum: its weight, times
         its clip where the merge rule clips values."""
-        return update.weight * (update.clip if self.rule.accumulator.clips_values else 1.0)
+        return update.weight * (update.clip if self.rule.clips_values else 1.0)
 
     @staticmethod
     def counted_norms(update: Update) -> list[float]:
@@ -114,7 +114,7 @@ class RoundSums:
         """Scale a whole update's values (or, for radial merging, the norms it counts with)
         by `factor` < 1, on the worker: its summed chunks give back (1 - factor) of their
         weight; its later moves and take-outs go at the clipped weight."""
-        if self.rule.accumulator.clips_values:
+        if self.rule.clips_values:
             cut = update.weight * (1.0 - factor)
 
             def out(chunk: Chunk) -> None:
@@ -144,13 +144,13 @@ class RoundSums:
         self, jobs: Sequence[tuple[Update, int, int, codecs.Payload]]
     ) -> list[BaseException | None]:
         """Chunks queued one after another (`add`), in one go: each hashed in arrival order,
-        then summed, those of one range into one sum several at once (Accumulator.add_many).
+        then summed, those of one range into one sum several at once (RoundSum.add_many).
         Bit for bit the sums chunk after chunk make: the ranges are taken in ascending order,
         only where each update's chunks came so (one call's do; the parts of an update in
         parts may not) and the ranges of one sum are the same or apart; else chunk after
         chunk. A chunk's outcome: None, or why it was refused."""
         outcomes: list[BaseException | None] = [None] * len(jobs)
-        live: list[tuple[int, Update, codecs.Segment, Accumulator]] = []
+        live: list[tuple[int, Update, codecs.Segment, RoundSum]] = []
         for i, (update, offset, count, data) in enumerate(jobs):
             if update.abandoned:  # taken out already, or about to be: nothing more of it
                 continue
@@ -193,7 +193,7 @@ class RoundSums:
         return outcomes
 
     def _summed_alone(
-        self, update: Update, segment: codecs.Segment, target: Accumulator
+        self, update: Update, segment: codecs.Segment, target: RoundSum
     ) -> BaseException | None:
         """`_summed`, its refusal returned, not raised."""
         try:
@@ -205,7 +205,7 @@ class RoundSums:
     def _summed_together(
         self,
         ready: list[tuple[int, Update, codecs.Segment, codecs.Ready]],
-        target: Accumulator,
+        target: RoundSum,
         outcomes: list[BaseException | None],
     ) -> None:
         """Sum chunks of one range, each checked for it (`ready_encoded`), into `target`;
@@ -229,7 +229,7 @@ class RoundSums:
             update.chunks.append(Chunk(segment, target))
         ready.clear()
 
-    def _summed(self, update: Update, segment: codecs.Segment, target: Accumulator) -> None:
+    def _summed(self, update: Update, segment: codecs.Segment, target: RoundSum) -> None:
         """Sum one hashed chunk of `update` into `target`, unless its norm is over the bound."""
         bound = update.norm_bound
         try:
@@ -257,7 +257,7 @@ class RoundSums:
             math.sqrt(update.squares + squares),
         )
 
-    def _sum_for(self, update: Update) -> Accumulator:
+    def _sum_for(self, update: Update) -> RoundSum:
         """Where an update's chunks are summed: its round's sum, or for a provisional update
         the round's sum of provisional updates (made when first needed)."""
         if not update.provisional:
@@ -269,7 +269,7 @@ class RoundSums:
     def _sum(
         self,
         update: Update,
-        target: Accumulator,
+        target: RoundSum,
         segment: codecs.Segment,
         w: float,
         max_squares: float = math.inf,
@@ -300,7 +300,7 @@ class RoundSums:
         each_chunk(out, update.chunks)
         update.chunks.clear()
 
-    def sum_provisional(self, members: list[Update], sealed: Accumulator) -> None:
+    def sum_provisional(self, members: list[Update], sealed: RoundSum) -> None:
         """Cap the provisional weights of a sealed round's members against the round's other
         members, and sum those members in: their sum made as they arrived if every weight
         stands and nothing was taken out of it, else again from their chunks at the final
@@ -361,7 +361,7 @@ class RoundSums:
             sealed.counted(update.weight, self.counted_norms(update), 1)
             update.chunks.clear()
 
-    def move(self, update: Update, sealed: Accumulator, cap: float | None = None) -> None:
+    def move(self, update: Update, sealed: RoundSum, cap: float | None = None) -> None:
         """Chunks summed into a round being merged (or its provisional sum) go to the
         update's round now. A provisional update with a `cap` (other learners' weights are
         known by now) is capped as an update that begins is and joins that round's own sum:

@@ -7,14 +7,14 @@ import pytest
 
 from services import codec as codecs
 from services.config import JobConfig
-from synchronizer.core.merge import MERGE_RULES
+from synchronizer.core.merge import REGISTRY
 from synchronizer.records import Chunk, NormTooLarge, Update
 from synchronizer.summing import RoundSums
 
 
 def _sums(size: int) -> RoundSums:
     """The sums of one fragment of `size` values, merged by the mean rule."""
-    return RoundSums(0, size, (size,), MERGE_RULES["mean"], JobConfig(max_weight_share=2.0))
+    return RoundSums(0, size, (size,), REGISTRY["mean"], JobConfig(max_weight_share=2.0))
 
 
 def _provisional(sums: RoundSums, name: str, weight: float, x: np.ndarray, step: int) -> Update:

@@ -192,20 +192,23 @@ def check_chunk(
 MAX_PARTS = 256  # processes one learner's update may come from
 
 
-def check_parts(chunk: session_pb2.UpdateChunk, size: int, needs_norms: bool) -> None:
-    """An update in parts: its part number, and a merge rule that can sum it part by part."""
+def check_parts(chunk: session_pb2.UpdateChunk, size: int, whole_only: str | None) -> None:
+    """An update in parts: its part number, and a merge rule that can sum it part by part.
+    `whole_only`: the name of the job's merge rule where it cannot (None: it can, or the
+    update is first values)."""
     if not 1 < chunk.parts <= min(MAX_PARTS, max(1, size)) or chunk.part >= chunk.parts:
         raise _invalid(
             "bad_request",
             f"part {chunk.part} of {chunk.parts}: an update comes in 2..{MAX_PARTS} parts (at "
             "most one per value), numbered from 0",
         )
-    if needs_norms:
+    if whole_only is not None:
         raise _invalid(
             "bad_request",
-            "radial merging divides each tensor by its whole norm before summing it, which an "
-            "update in parts (a learner of several processes) cannot give with its first "
-            "chunk; run the job with --merge mean",
+            f"the job's {whole_only} merge takes each update whole (radial merging divides "
+            "each tensor by its whole norm before summing it), which an update in parts (a "
+            "learner of several processes) cannot give with its first chunk; run the job "
+            "with --merge mean",
         )
 
 
