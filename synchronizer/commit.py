@@ -26,7 +26,7 @@ from services.downlink import fused_step, step_segment
 from services.tape import Tape
 from synchronizer.core.merge import OuterOptimizer, RoundSum
 from synchronizer.records import OwnerLost, Update
-from synchronizer.store.redis_store import Commit, ControlStore, Pointer
+from synchronizer.store.control import Commit, ControlStore, Pointer
 from synchronizer.store.tensors import TensorStore, object_name, version_of
 from synchronizer.summing import STEP_POOL
 from synchronizer.values import VALUE_EVERY, Keyframes, value_at

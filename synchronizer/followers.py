@@ -36,7 +36,7 @@ from synchronizer.core.admission import Rejection
 from synchronizer.ownership import Ownership
 from synchronizer.refusals import grpc_status
 from synchronizer.session import OUTBOX_LIMIT, WATCH_S, value_layout
-from synchronizer.store.redis_store import ControlStore
+from synchronizer.store.control import ControlStore
 from synchronizer.store.tensors import TensorStore
 from synchronizer.values import RebuiltValues, float32_bytes
 

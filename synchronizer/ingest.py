@@ -39,7 +39,7 @@ from synchronizer.owner import FragmentOwner
 from synchronizer.ownership import Ownership
 from synchronizer.parts import Gathering, Parts, Summing, begin_update, combined_checksum
 from synchronizer.records import NormTooLarge
-from synchronizer.store.redis_store import ControlStore
+from synchronizer.store.control import ControlStore
 from synchronizer.worker import WorkerShutDown
 
 log = structlog.get_logger("atoll.synchronizer.ingest")

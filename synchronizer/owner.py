@@ -41,7 +41,7 @@ from synchronizer.core.merge import (
 from synchronizer.core.open_round import OpenRound
 from synchronizer.core.rounds import Live, RoundPolicy, RoundState, decide, round_state
 from synchronizer.records import NormTooLarge, OwnerLost, RoundBusy, Update
-from synchronizer.store.redis_store import ControlStore, Pointer
+from synchronizer.store.control import ControlStore, Pointer
 from synchronizer.store.tensors import TensorStore
 from synchronizer.summing import RoundSums
 

@@ -24,7 +24,7 @@ from services.outage import OutageLog
 from services.tape import Tape
 from synchronizer.owner import EVALUATE_EVERY_S, FragmentOwner
 from synchronizer.records import OwnerLost
-from synchronizer.store.redis_store import ControlStore
+from synchronizer.store.control import ControlStore
 from synchronizer.store.tensors import TensorStore
 
 log = structlog.get_logger("atoll.synchronizer.ownership")

@@ -18,7 +18,7 @@ from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, synchronizer_pb2
 from synchronizer import values
 from synchronizer.core.admission import Rejection, Status
-from synchronizer.store.redis_store import ControlStore
+from synchronizer.store.control import ControlStore
 from synchronizer.store.tensors import TensorStore
 from synchronizer.values import RebuiltValues, float32_bytes
 

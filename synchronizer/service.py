@@ -27,7 +27,7 @@ from synchronizer.ingest import Ingest
 from synchronizer.owner import FragmentOwner
 from synchronizer.ownership import Ownership
 from synchronizer.session import Sessions, spec_from_json, spec_to_json
-from synchronizer.store.redis_store import ControlStore, StoreError
+from synchronizer.store.control import ControlStore, StoreError
 from synchronizer.store.tensors import TensorStore
 from synchronizer.values import RebuiltValues
 

@@ -39,7 +39,7 @@ from synchronizer.core.admission import (
 )
 from synchronizer.ownership import Ownership
 from synchronizer.refusals import grpc_status
-from synchronizer.store.redis_store import ControlStore
+from synchronizer.store.control import ControlStore
 from synchronizer.store.tensors import TensorStore
 from synchronizer.values import RebuiltValues, float32_bytes
 

@@ -33,7 +33,7 @@ import structlog
 from services import codec as codecs
 from services.downlink import apply_segment
 from synchronizer.records import Keyframe
-from synchronizer.store.redis_store import ControlStore, Pointer
+from synchronizer.store.control import ControlStore, Pointer
 from synchronizer.store.tensors import TensorStore, TensorStoreError, object_name, version_of
 
 log = structlog.get_logger("atoll.synchronizer.values")
