@@ -33,9 +33,10 @@ from services.wire import bytes_field, join_field, segments_header
 from synchronizer import auth
 from synchronizer.core import admission
 from synchronizer.core.admission import Rejection
+from synchronizer.fetch import value_layout
 from synchronizer.ownership import Ownership
 from synchronizer.refusals import grpc_status
-from synchronizer.session import OUTBOX_LIMIT, WATCH_S, value_layout
+from synchronizer.session import OUTBOX_LIMIT, WATCH_S
 from synchronizer.store.control import ControlStore
 from synchronizer.store.tensors import TensorStore
 from synchronizer.values import RebuiltValues, float32_bytes

@@ -9,7 +9,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services import codec as codecs
 from services.config import SynchronizerSettings
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from services.layout import FragmentLayout, fragment_layout
@@ -19,7 +18,6 @@ from synchronizer.session import Connection, SessionClosed, Sessions, spec_from_
 from synchronizer.store.control import Commit
 from synchronizer.store.memory_store import MemoryControlStore
 from synchronizer.store.tensors import TensorStore
-from synchronizer.values import RebuiltValues
 
 
 class Clock:
@@ -47,6 +45,9 @@ def _sessions(
         if not layout:
             layout.append(fragment_layout(spec_from_json(spec), config.fragments))
 
+    def current() -> FragmentLayout | None:
+        return layout[0] if layout else None
+
     ownership = Ownership(
         replica="r",
         address="127.0.0.1:1",
@@ -54,18 +55,9 @@ def _sessions(
         store=store,
         tensors=tensors,
         tape=tape,
-        layout=lambda: layout[0] if layout else None,
+        layout=current,
     )
-    sessions = Sessions(
-        config,
-        store,
-        tensors,
-        ownership,
-        tape,
-        lambda: layout[0] if layout else None,
-        adopt,
-        RebuiltValues(codecs.by_name(config.downlink_codec), config.block_size),
-    )
+    sessions = Sessions(config, store, ownership, tape, current, adopt)
     return sessions, config
 
 
