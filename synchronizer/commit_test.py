@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,3 +82,15 @@ def test_a_new_merge_rule_registers_by_name_and_merges_through_the_owners_sums_a
     want = 1.0 - 0.5 * (1.0 * deltas[0] + 3.0 * deltas[1])
     np.testing.assert_allclose(state.theta + state.residual, want, rtol=1e-5, atol=1e-5)
     sums.close()
+
+
+def test_the_merge_rule_in_the_docs_registers_as_written() -> None:
+    text = (Path(__file__).parents[1] / "docs" / "synchronizer.md").read_text()
+    example = re.search(r"```python\n(.*?)```", text, re.DOTALL)
+    assert example is not None, "docs/synchronizer.md lost its merge rule example"
+    try:
+        exec(example.group(1), {})
+        rule = REGISTRY["summed"]
+        assert rule.new(4, (4,)).gradient_factor(0.5) == 0.5
+    finally:
+        REGISTRY.pop("summed", None)
