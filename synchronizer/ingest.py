@@ -121,13 +121,12 @@ class Ingest:
         # credential on this connection), so calls that never send a chunk are bounded too.
         caller = auth.CALLER.get()
         opening = (caller.only_slot or f"{caller.name} {context.peer()}", -1)
-        if self.in_flight[opening] >= self.max_per_slot:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this caller has {self.max_per_slot} Ingest calls open that sent no chunk yet "
-                "(--max-ingest-per-slot); send their chunks or end them",
-            )
-        self.in_flight[opening] += 1
+        await self._enter(
+            opening,
+            context,
+            f"this caller has {self.max_per_slot} Ingest calls open that sent no chunk yet "
+            "(--max-ingest-per-slot); send their chunks or end them",
+        )
         try:
             arrived = await asyncio.wait_for(anext(request_iterator), self.first_chunk_timeout_s)
         except StopAsyncIteration:
@@ -148,13 +147,12 @@ class Ingest:
         except auth.AuthError as err:
             await context.abort(err.code, err.details)
         slot = (first.learner_id, first.part if first.parts > 1 else 0)
-        if self.in_flight[slot] >= self.max_per_slot:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"learner slot {slot[0][:64]!r} has {self.max_per_slot} Ingest calls in flight "
-                "already (--max-ingest-per-slot); wait for them",
-            )
-        self.in_flight[slot] += 1
+        await self._enter(
+            slot,
+            context,
+            f"learner slot {slot[0][:64]!r} has {self.max_per_slot} Ingest calls in flight "
+            "already (--max-ingest-per-slot); wait for them",
+        )
         try:
             return await self._admit(arrived, request_iterator, context)
         except WorkerShutDown:
@@ -166,6 +164,18 @@ class Ingest:
             raise
         finally:
             self._done(slot)
+
+    async def _enter(
+        self,
+        key: tuple[str, int],
+        context: grpc.aio.ServicerContext[Arrived, session_pb2.Ack],
+        refusal: str,
+    ) -> None:
+        """Count one more Ingest call under `key`, or end it (RESOURCE_EXHAUSTED, saying
+        `refusal`) while --max-ingest-per-slot calls are counted there already."""
+        if self.in_flight[key] >= self.max_per_slot:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        self.in_flight[key] += 1
 
     def _done(self, key: tuple[str, int]) -> None:
         """One Ingest call counted under `key` ended (or moved on to its slot's count)."""

@@ -192,3 +192,21 @@ def test_an_update_for_a_fragment_this_replica_does_not_own_is_sent_elsewhere(
         owner.close()
 
     asyncio.run(run())
+
+
+def test_calls_over_the_slots_limit_are_ended_and_counted_out_again(tmp_path: Path) -> None:
+    async def run() -> None:
+        ingest, owner, _ = await _job(tmp_path)
+        ingest.in_flight[("a", 0)] = ingest.max_per_slot  # the slot's calls, all in flight
+        with pytest.raises(Aborted) as aborted:
+            await _call(ingest, _update(X))
+        assert aborted.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-ingest-per-slot" in str(aborted.value)
+        assert ingest.in_flight == {("a", 0): ingest.max_per_slot}  # the opening counted out
+        del ingest.in_flight[("a", 0)]
+        ack = await _call(ingest, _update(X))
+        assert ack.status == session_pb2.ACK_STATUS_RECEIVED
+        assert not ingest.in_flight
+        owner.close()
+
+    asyncio.run(run())
