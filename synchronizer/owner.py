@@ -39,7 +39,14 @@ from synchronizer.core.merge import (
     token_weight,
 )
 from synchronizer.core.open_round import OpenRound
-from synchronizer.core.rounds import Live, RoundPolicy, RoundState, decide, round_state
+from synchronizer.core.rounds import (
+    Live,
+    RoundPolicy,
+    RoundState,
+    RoundTimes,
+    decide,
+    round_state,
+)
 from synchronizer.records import NormTooLarge, OwnerLost, RoundBusy, Update
 from synchronizer.store.control import ControlStore, Pointer
 from synchronizer.store.tensors import TensorStore
@@ -93,11 +100,7 @@ class FragmentOwner:
         # Whose idempotency records of this fragment each slot's are, as last recorded here.
         self.holders: dict[str, str] = {}
         self.open: OpenRound[Update] = OpenRound()  # received, and streaming in
-        self.opened_at = time.monotonic()
-        self.quorum_at: float | None = None
-        self.deadline: float | None = None
-        self.last_received = 0.0  # when the open round's newest member was received
-        self.held_at = 0.0  # when the open round was last held for an update streaming in
+        self.times = RoundTimes(time.monotonic())
         self.lost = False
         self.merging = False
         self.wake = asyncio.Event()
@@ -118,7 +121,7 @@ class FragmentOwner:
         self.guards.theta_norm = self.committed.theta_norm
         for learner, (norm, steps) in history.items():
             self.guards.norms.set(learner, norm, steps)
-        self.opened_at = time.monotonic()
+        self.times.reopen(time.monotonic())
         log.info("fragment_loaded", fragment=self.fragment, version=self.version, epoch=self.epoch)
 
     async def initial_state(self, values: np.ndarray) -> tuple[str, tuple[str, ...]]:
@@ -270,7 +273,7 @@ class FragmentOwner:
         self.guards.weights.set(update.learner, update.weight)
         self.guards.norms.set(update.learner, update.norm * update.clip, update.c_steps)
         self.open.receive(update)  # of the open round: one sealed meanwhile moved it
-        self.last_received = time.monotonic()
+        self.times.last_received = time.monotonic()
         tm.UPDATES_ACCEPTED.inc()
         self.tape.write(
             "accepted",
@@ -336,9 +339,7 @@ class FragmentOwner:
             sending=self.open.sending(),
             streaming=[u for u in self.open.in_flight if u.accumulator is self.sums.current],
             first_update_at=min((u.first_at for u in self.open.members), default=None),
-            opened_at=self.opened_at,
-            quorum_at=self.quorum_at,
-            deadline=self.deadline,
+            times=self.times,
             now=now,
             inner_steps=self.config.inner_steps,
         )
@@ -352,11 +353,9 @@ class FragmentOwner:
         decision = decide(
             state, self.policy, slowest_step_s=slowest, t_sync_s=self.committed.t_sync_s
         )
-        if decision.new_deadline is not None and decision.grace_s is not None:
-            self.quorum_at, self.deadline = now, decision.new_deadline
+        self.times.decided(decision, now)
+        if decision.grace_s is not None:
             tm.GRACE_SECONDS.observe(decision.grace_s)
-        if decision.held:
-            self.held_at = now
         if decision.merge_now:
             scaled = self.config.partial_rounds == "scaled"
             await self.merge(frozenset(lv.learner for lv in live.learners) if scaled else None)
@@ -365,11 +364,7 @@ class FragmentOwner:
         """Seal the open round and commit it. `live_learners`: the slots with a live session
         now, which scale its step (`live_round_scale`); None: a full step."""
         self.merging = True
-        started = time.monotonic()
-        # A round is ready once its last update is in, or its grace window ends (the last
-        # time it was held for an update streaming in, if later).
-        window = max(self.deadline or 0.0, self.held_at)
-        ready = max(self.last_received, min(window, started))
+        ready = self.times.ready(time.monotonic())
         try:
             members, sealed = self.seal()
             if not members:
@@ -430,8 +425,7 @@ class FragmentOwner:
                 if self.guards.weights.get(u.learner) == weight:  # not a newer one's since
                     self.guards.weights.set(u.learner, u.weight)
         await self.committed.commit(updates, sealed, scale, ready, phases, started)
-        self.opened_at, self.quorum_at, self.deadline = time.monotonic(), None, None
-        self.held_at = 0.0
+        self.times.reopen(time.monotonic())
 
     def close(self) -> None:
         self.committed.close()

@@ -205,6 +205,38 @@ def decide(
     return Decision(merge_now=not held, held=held)
 
 
+@dataclass
+class RoundTimes:
+    """When an owner's open round opened, first reached quorum and ends its grace window,
+    when its newest member was received, and when it was last held for an update streaming
+    in (the owner's monotonic clock, seconds)."""
+
+    opened_at: float
+    quorum_at: float | None = None
+    deadline: float | None = None
+    last_received: float = 0.0
+    held_at: float = 0.0
+
+    def decided(self, decision: Decision, now: float) -> None:
+        """What the rule decided at `now`: quorum reached (a deadline set), or held."""
+        if decision.new_deadline is not None:
+            self.quorum_at, self.deadline = now, decision.new_deadline
+        if decision.held:
+            self.held_at = now
+
+    def ready(self, now: float) -> float:
+        """When a round merging at `now` was ready: once its last update was in, or its
+        grace window ended (the last time it was held for an update streaming in, if
+        later)."""
+        window = max(self.deadline or 0.0, self.held_at)
+        return max(self.last_received, min(window, now))
+
+    def reopen(self, now: float) -> None:
+        """A new round opens at `now` (a commit, or a value loaded); members received
+        meanwhile stay received."""
+        self.opened_at, self.quorum_at, self.deadline, self.held_at = now, None, None, 0.0
+
+
 class Arriving(Protocol):
     """An update streaming into a round: how many of its values have come, and when and how
     many came with its first chunk."""
@@ -226,9 +258,7 @@ def round_state(
     sending: Collection[str],
     streaming: Iterable[Arriving],
     first_update_at: float | None,
-    opened_at: float,
-    quorum_at: float | None,
-    deadline: float | None,
+    times: RoundTimes,
     now: float,
     inner_steps: int,
 ) -> tuple[RoundState, float]:
@@ -256,9 +286,9 @@ def round_state(
     state = RoundState(
         contributors=len(contributors),
         live_learners=len(live.learners),
-        opened_at=opened_at,
-        quorum_at=quorum_at,
-        deadline=deadline,
+        opened_at=times.opened_at,
+        quorum_at=times.quorum_at,
+        deadline=times.deadline,
         now=now,
         finished_learners=finished,
         waiting=waiting,

@@ -3,10 +3,12 @@ from dataclasses import dataclass
 import pytest
 
 from synchronizer.core.rounds import (
+    Decision,
     Live,
     LiveLearner,
     RoundPolicy,
     RoundState,
+    RoundTimes,
     decide,
     grace_window,
     required_quorum,
@@ -236,9 +238,7 @@ def test_a_rounds_state_counts_who_may_still_send_and_when_streaming_updates_com
         sending={"b", "ghost"},
         streaming=[_Arriving(768, 10.0, 256), _Arriving(256, 11.0, 256)],
         first_update_at=9.0,
-        opened_at=5.0,
-        quorum_at=None,
-        deadline=None,
+        times=RoundTimes(opened_at=5.0),
         now=12.0,
         inner_steps=10,
     )
@@ -248,3 +248,24 @@ def test_a_rounds_state_counts_who_may_still_send_and_when_streaming_updates_com
     assert state.patience_s == 5.0  # 10 steps of the member's 0.5 s
     assert state.first_update_at == 9.0
     assert slowest == 2.0
+
+
+def test_a_rounds_times_say_when_it_was_ready_and_reopen_keeping_its_members() -> None:
+    times = RoundTimes(opened_at=10.0)
+    times.last_received = 11.0
+    times.decided(Decision(merge_now=False, new_deadline=14.0, grace_s=3.0), now=11.0)
+    assert (times.quorum_at, times.deadline) == (11.0, 14.0)
+    assert times.ready(now=12.0) == 12.0  # merged early (everyone in): ready now
+    assert times.ready(now=20.0) == 14.0  # merged late: ready when its window ended
+    times.decided(Decision(merge_now=False, held=True), now=16.0)
+    assert times.ready(now=20.0) == 16.0  # held for an update streaming in until then
+    times.last_received = 18.0
+    assert times.ready(now=20.0) == 18.0  # its last member came later still
+    times.reopen(now=21.0)
+    assert (times.opened_at, times.quorum_at, times.deadline, times.held_at) == (
+        21.0,
+        None,
+        None,
+        0.0,
+    )
+    assert times.last_received == 18.0
