@@ -71,7 +71,7 @@ class Update:
     first_values: int = 0
     abandoned: bool = False  # will not be received: chunk sums still queued add nothing
     staleness: float = 1.0  # what its weight was multiplied by for being behind (`begin`)
-    # What its norm was scaled by to merge within its fragment's clip bound (`clip_bound`):
+    # What its norm was scaled by to merge within its fragment's clip bound (`Guards.clip_bound`):
     # 1 unclipped. Set once whole, before it is recorded.
     clip: float = 1.0
     # Its move to the next round when its round was sealed while it arrived: the move may
