@@ -2,7 +2,7 @@
 
 The Helm chart's schema offers exactly the codecs and modes the services take, and the docs'
 tables of codecs and merge rules say what each registered one is. Each is written from the
-registry that holds the fact (services.codec.REGISTRY, synchronizer.merge.MERGE_RULES,
+registry that holds the fact (services.codec.REGISTRY, synchronizer.core.merge.REGISTRY,
 services.config.JobConfig); tests/test_generated.py fails when a committed file differs.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 from services import codec as codecs
 from services.config import JobConfig
 from services.gen.atoll.v1 import fragment_pb2
-from synchronizer.merge import MERGE_RULES
+from synchronizer.core.merge import REGISTRY as MERGE_RULES
 
 ROOT = Path(__file__).resolve().parent.parent
 HELM_SCHEMA = Path("helm/atoll/values.schema.json")

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from services import codec as codecs
 from services import kernels
 from services.grpcopts import server_options
-from synchronizer.admission import Arrived, parse_chunk
+from synchronizer.core.admission import Arrived, parse_chunk
 from synchronizer.worker import TOGETHER
 
 

@@ -43,7 +43,7 @@ from services import codec as codecs
 from services.layout import LeafSpec, fragment_layout
 from services.wire import DEFAULT_MAX_CHUNK_BYTES
 from synchronizer import inspect
-from synchronizer.keys import JobKeys
+from synchronizer.store.keys import JobKeys
 
 
 class ScaleBench(Output):

@@ -59,7 +59,7 @@ from services.grpcopts import channel_options
 from services.layout import LeafSpec
 from services.lifecycle import reuse_large_buffers, watch_parent
 from services.wire import DEFAULT_MAX_CHUNK_BYTES
-from synchronizer.keys import JobKeys
+from synchronizer.store.keys import JobKeys
 
 
 class SynchronizerBench(Output):

@@ -20,6 +20,7 @@ from cluster.regions import RegionPlan
 from cluster.settings import UpSettings
 from learner.settings import ModelConfig
 from services import tls
+from synchronizer.core.merge import REGISTRY
 
 COORDINATOR_PORT = 7777  # data-parallel's coordination service, in a fresh namespace
 LINGER_S = 600.0
@@ -183,10 +184,11 @@ class Launcher:
         n = self.settings.processes_per_learner
         if n == 1:
             return []
-        if self.settings.merge != "mean":
+        if not REGISTRY[self.settings.merge].sums_in_parts:
+            parts = ", ".join(n for n, rule in REGISTRY.items() if rule.sums_in_parts)
             raise ValueError(
                 "--processes-per-learner: each process sends its own part of an update, which "
-                "only --merge mean can sum part by part"
+                f"only a merge rule that sums in parts can take (--merge {parts})"
             )
         return ["--processes", str(n), "--local-processes"]
 

@@ -30,7 +30,7 @@ from typing import Literal
 
 from services.goodput import goodput
 from sim.model import FailureModel
-from synchronizer.rounds import RoundPolicy, required_quorum
+from synchronizer.core.rounds import RoundPolicy, required_quorum
 
 Mode = Literal["dp", "elastic_dp", "decoupled"]
 

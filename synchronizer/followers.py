@@ -30,12 +30,15 @@ from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout
 from services.outage import OutageLog, every
 from services.wire import bytes_field, join_field, segments_header
-from synchronizer import admission, auth
-from synchronizer.admission import Rejection
+from synchronizer import auth
+from synchronizer.core import admission
+from synchronizer.core.admission import Rejection
+from synchronizer.fetch import value_layout
 from synchronizer.ownership import Ownership
-from synchronizer.session import OUTBOX_LIMIT, WATCH_S, value_layout
-from synchronizer.store import ControlStore
-from synchronizer.tensors import TensorStore
+from synchronizer.refusals import grpc_status
+from synchronizer.session import OUTBOX_LIMIT, WATCH_S
+from synchronizer.store.control import ControlStore
+from synchronizer.store.tensors import TensorStore
 from synchronizer.values import RebuiltValues, float32_bytes
 
 log = structlog.get_logger("atoll.synchronizer.followers")
@@ -273,7 +276,7 @@ class Followers:
         try:
             admission.check_job(request.job, self.job)
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await context.abort(*grpc_status(rejection))
         # A learner older than this replica names no slot: the one its credential names.
         slot = request.learner_id or auth.CALLER.get().only_slot or ""
         if not slot or len(slot) > admission.MAX_NAME_CHARS:
@@ -295,7 +298,7 @@ class Followers:
         try:
             admission.check_fragments_named("follow", fragments, [request.held], request.held)
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await context.abort(*grpc_status(rejection))
         # A fragment is followed from the version held, or from its current version (the
         # learner fetches that itself). A held version past the current one is none the job
         # made: it is followed from the current one too.

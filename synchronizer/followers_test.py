@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from services.gen.atoll.v1 import session_pb2
-from synchronizer import followers, session
+from synchronizer import fetch, followers
 from synchronizer.followers import (
     DOWNLINK_BACKLOG_BYTES,
     DOWNLINK_STALLED_S,
@@ -110,7 +110,7 @@ def test_a_whole_value_is_built_as_protobuf_would_serialize_it(n: int, chunk_byt
     protobuf builds from `value_chunks` (a fetch's answer) do."""
     values = np.arange(n, dtype="<f4").view(np.uint8).data
     built = followers.value_messages(3, 7, values, chunk_bytes)
-    chunks = session.value_chunks(3, 7, values, chunk_bytes)
+    chunks = fetch.value_chunks(3, 7, values, chunk_bytes)
     assert [v for v, _ in built] == [7] * len(chunks)
     for (_, data), chunk in zip(built, chunks, strict=True):
         assert session_pb2.SynchronizerMessage.FromString(data) == (

@@ -26,18 +26,20 @@ from services.config import JobConfig
 from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout
 from synchronizer import auth
-from synchronizer.admission import (
+from synchronizer.core.admission import (
     Arrived,
     Rejection,
+    Status,
     check_chunk,
     check_header,
     check_update_fields,
     initial_values,
 )
-from synchronizer.owner import FragmentOwner, NormTooLarge
+from synchronizer.owner import FragmentOwner
 from synchronizer.ownership import Ownership
 from synchronizer.parts import Gathering, Parts, Summing, begin_update, combined_checksum
-from synchronizer.store import ControlStore
+from synchronizer.records import NormTooLarge
+from synchronizer.store.control import ControlStore
 from synchronizer.worker import WorkerShutDown
 
 log = structlog.get_logger("atoll.synchronizer.ingest")
@@ -49,32 +51,32 @@ WAIT_DOWNLINK = tm.INGEST_WAIT_SECONDS.labels(phase="downlink")
 
 NOT_OWNER = "not the owner of fragment {p}; look up the owner map again and resend"
 
-REFUSALS: dict[str, tuple[str, grpc.StatusCode, str]] = {
+REFUSALS: dict[str, tuple[str, Status, str]] = {
     "stale": (
         "stale",
-        grpc.StatusCode.FAILED_PRECONDITION,
+        Status.FAILED_PRECONDITION,
         "update is based on version {base}, fragment is at {version}: more than "
         "{max_staleness} behind; fetch the fragment and continue from it",
     ),
     "future": (
         "bad_request",
-        grpc.StatusCode.INVALID_ARGUMENT,
+        Status.INVALID_ARGUMENT,
         "update claims base version {base}, newer than the fragment's {version}; the "
         "learner's state is corrupt, restart it",
     ),
     "uninitialized": (
         "bad_request",
-        grpc.StatusCode.FAILED_PRECONDITION,
+        Status.FAILED_PRECONDITION,
         "fragment {p} has no global value yet; send the job's initial parameters first",
     ),
     "checksum": (
         "checksum",
-        grpc.StatusCode.INVALID_ARGUMENT,
+        Status.INVALID_ARGUMENT,
         "update {seq} was received before with other bytes; a retry must resend the same update",
     ),
     "superseded": (
         "bad_request",
-        grpc.StatusCode.FAILED_PRECONDITION,
+        Status.FAILED_PRECONDITION,
         "incarnation {incarnation!r} of learner slot {learner!r} is not the slot's current one "
         "(a newer one said hello since, or this one never did): this process must stop; a "
         "learner sends its updates under the incarnation of its session",
@@ -119,13 +121,12 @@ class Ingest:
         # credential on this connection), so calls that never send a chunk are bounded too.
         caller = auth.CALLER.get()
         opening = (caller.only_slot or f"{caller.name} {context.peer()}", -1)
-        if self.in_flight[opening] >= self.max_per_slot:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this caller has {self.max_per_slot} Ingest calls open that sent no chunk yet "
-                "(--max-ingest-per-slot); send their chunks or end them",
-            )
-        self.in_flight[opening] += 1
+        await self._enter(
+            opening,
+            context,
+            f"this caller has {self.max_per_slot} Ingest calls open that sent no chunk yet "
+            "(--max-ingest-per-slot); send their chunks or end them",
+        )
         try:
             arrived = await asyncio.wait_for(anext(request_iterator), self.first_chunk_timeout_s)
         except StopAsyncIteration:
@@ -146,13 +147,12 @@ class Ingest:
         except auth.AuthError as err:
             await context.abort(err.code, err.details)
         slot = (first.learner_id, first.part if first.parts > 1 else 0)
-        if self.in_flight[slot] >= self.max_per_slot:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"learner slot {slot[0][:64]!r} has {self.max_per_slot} Ingest calls in flight "
-                "already (--max-ingest-per-slot); wait for them",
-            )
-        self.in_flight[slot] += 1
+        await self._enter(
+            slot,
+            context,
+            f"learner slot {slot[0][:64]!r} has {self.max_per_slot} Ingest calls in flight "
+            "already (--max-ingest-per-slot); wait for them",
+        )
         try:
             return await self._admit(arrived, request_iterator, context)
         except WorkerShutDown:
@@ -164,6 +164,18 @@ class Ingest:
             raise
         finally:
             self._done(slot)
+
+    async def _enter(
+        self,
+        key: tuple[str, int],
+        context: grpc.aio.ServicerContext[Arrived, session_pb2.Ack],
+        refusal: str,
+    ) -> None:
+        """Count one more Ingest call under `key`, or end it (RESOURCE_EXHAUSTED, saying
+        `refusal`) while --max-ingest-per-slot calls are counted there already."""
+        if self.in_flight[key] >= self.max_per_slot:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        self.in_flight[key] += 1
 
     def _done(self, key: tuple[str, int]) -> None:
         """One Ingest call counted under `key` ended (or moved on to its slot's count)."""
@@ -187,7 +199,7 @@ class Ingest:
             if layout is None:
                 raise Rejection(
                     "bad_request",
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Status.FAILED_PRECONDITION,
                     "the job has no parameter spec yet; a learner must say hello first",
                 )
             codec = check_header(first.header, first.kind, first.c_steps, layout)
@@ -214,7 +226,7 @@ class Ingest:
                 first,
                 Rejection(
                     "bad_request",
-                    grpc.StatusCode.UNAVAILABLE,
+                    Status.UNAVAILABLE,
                     "the synchronizer cannot reach its control store to see that the slot's "
                     "session is live; resend later",
                 ),
@@ -226,7 +238,7 @@ class Ingest:
                 first,
                 Rejection(
                     "not_live",
-                    grpc.StatusCode.UNAVAILABLE,
+                    Status.UNAVAILABLE,
                     f"learner slot {first.learner_id[:64]!r} has no live session: updates "
                     "count only from a learner whose Session said hello and keeps its "
                     "heartbeats; open the session (or wait for it to reconnect) and resend",
@@ -241,7 +253,7 @@ class Ingest:
                 first,
                 Rejection(
                     "bad_request",
-                    grpc.StatusCode.PERMISSION_DENIED,
+                    Status.PERMISSION_DENIED,
                     f"a fragment's first values come from the job's initializer slot "
                     f"{initializer[:64]!r} (--initializer), not from {first.learner_id[:64]!r}; "
                     "wait for them",
@@ -266,14 +278,14 @@ class Ingest:
             chunk, data = current
             if index >= first.header.chunk_count:
                 raise Rejection(
-                    "out_of_order", grpc.StatusCode.INVALID_ARGUMENT, "more chunks than announced"
+                    "out_of_order", Status.INVALID_ARGUMENT, "more chunks than announced"
                 )
             check_chunk(chunk, first, index, expected_offset, n)
             received += len(data)
             if received > first.header.total_bytes:
                 raise Rejection(
                     "shape_mismatch",
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Status.INVALID_ARGUMENT,
                     f"the chunks hold more than the {first.header.total_bytes} bytes announced",
                 )
             yield current
@@ -289,7 +301,7 @@ class Ingest:
         ):
             raise Rejection(
                 "out_of_order",
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Status.INVALID_ARGUMENT,
                 f"the update ended after {expected_offset} of {n} values, {received} of "
                 f"{first.header.total_bytes} bytes ({index} of {first.header.chunk_count} "
                 "chunks); resend it whole",
@@ -308,7 +320,7 @@ class Ingest:
                 first,
                 Rejection(
                     "bad_request",
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Status.INVALID_ARGUMENT,
                     f"the {owner.rule.name} merge needs the norm of each of the fragment's "
                     f"{len(owner.segments)} tensors in the first chunk (tensor_norms)",
                 ),
@@ -335,13 +347,13 @@ class Ingest:
             if update.hasher.intdigest() != first.header.checksum:
                 raise Rejection(
                     "checksum",
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Status.INVALID_ARGUMENT,
                     "payload checksum mismatch: bytes were corrupted; resend the update",
                 )
             try:
                 owner.check_norms(update)
             except NormTooLarge as err:
-                raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+                raise Rejection("norm", Status.INVALID_ARGUMENT, str(err)) from None
         except Rejection as rejection:
             await summing.drain()
             await owner.abandon(update)
@@ -372,7 +384,7 @@ class Ingest:
         if status == "not_owner":
             raise Rejection(
                 "bad_request",
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Status.FAILED_PRECONDITION,
                 NOT_OWNER.format(p=first.header.fragment),
             )
         reason, code, text = REFUSALS[status]
@@ -399,9 +411,7 @@ class Ingest:
                 values[chunk.value_offset : chunk.value_offset + chunk.value_count] = part
                 hasher.update(data)
             if hasher.intdigest() != first.header.checksum:
-                raise Rejection(
-                    "checksum", grpc.StatusCode.INVALID_ARGUMENT, "payload checksum mismatch"
-                )
+                raise Rejection("checksum", Status.INVALID_ARGUMENT, "payload checksum mismatch")
         except Rejection as rejection:
             return await self._refuse(first, rejection)
         return await self._take_initial(owner, first, values)
@@ -422,7 +432,7 @@ class Ingest:
                 first,
                 Rejection(
                     "bad_request",
-                    grpc.StatusCode.UNAVAILABLE,
+                    Status.UNAVAILABLE,
                     f"the synchronizer cannot write to its tensor store ({type(err).__name__}); "
                     "it retries: free space there or fix --tensor-store",
                 ),
@@ -456,9 +466,7 @@ class Ingest:
             try:
                 return await self._answer(owner, whole, status, version)
             except Rejection as rejection:  # not the owner now: again, to the new one
-                raise Rejection(
-                    rejection.reason, grpc.StatusCode.UNAVAILABLE, rejection.message
-                ) from None
+                raise Rejection(rejection.reason, Status.UNAVAILABLE, rejection.message) from None
 
         try:
             return await self.parts.admit(owner, codec, arrived, rest, finish)
@@ -493,7 +501,7 @@ class Ingest:
             seq=chunk.seq,
             fragment=chunk.header.fragment,
             status=session_pb2.ACK_STATUS_REJECTED,
-            code=rejection.code.value[0],
+            code=int(rejection.code),
             reason=rejection.message,
             version=version,
         )

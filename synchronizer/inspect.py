@@ -12,8 +12,8 @@ import obstore
 from services.codec import by_name, checksum
 from services.layout import LeafSpec
 from synchronizer import values
-from synchronizer.keys import JobKeys
-from synchronizer.tensors import TensorStore, version_of
+from synchronizer.store.keys import JobKeys
+from synchronizer.store.tensors import TensorStore, version_of
 
 
 def _s(value: object) -> str:

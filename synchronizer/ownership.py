@@ -22,9 +22,10 @@ from services.config import JobConfig
 from services.layout import FragmentLayout
 from services.outage import OutageLog
 from services.tape import Tape
-from synchronizer.owner import FragmentOwner
-from synchronizer.store import ControlStore
-from synchronizer.tensors import TensorStore
+from synchronizer.owner import EVALUATE_EVERY_S, FragmentOwner
+from synchronizer.records import OwnerLost
+from synchronizer.store.control import ControlStore
+from synchronizer.store.tensors import TensorStore
 
 log = structlog.get_logger("atoll.synchronizer.ownership")
 # A replica's registration and its fragments' leases lapse this long after its last renewal
@@ -144,8 +145,6 @@ class Ownership:
     async def _round_loop(self, owner: FragmentOwner) -> None:
         """Evaluate the fragment's round whenever an update arrives, and at least every
         EVALUATE_EVERY_S (grace windows end, learners die or finish)."""
-        from synchronizer.owner import EVALUATE_EVERY_S, OwnerLost
-
         outage = OutageLog(log, "round_failed", "round_resumed", fragment=owner.fragment)
         while not owner.lost:
             with contextlib.suppress(TimeoutError):

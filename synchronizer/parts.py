@@ -26,22 +26,23 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-import grpc
 import numpy as np
 import xxhash
 
 from services import codec as codecs
 from services.gen.atoll.v1 import session_pb2
-from synchronizer.admission import (
+from synchronizer.core.admission import (
     Arrived,
     Rejection,
+    Status,
     check_part_chunk,
     check_parts,
     check_same_update,
     codec_refusal,
     initial_values,
 )
-from synchronizer.owner import FragmentOwner, NormTooLarge, RoundBusy, Update
+from synchronizer.owner import FragmentOwner
+from synchronizer.records import NormTooLarge, RoundBusy, Update
 
 SUMMING_AHEAD = 3  # chunks of one update queued on the fragment's worker while more arrive
 KEEP_ANSWERS = 4096  # final answers kept for parts sent again
@@ -145,7 +146,8 @@ class Parts:
         the Rejection that refuses this part (and, but for a duplicate, the update)."""
         first = arrived.chunk
         outer = first.kind == session_pb2.UPDATE_KIND_OUTER_GRADIENT
-        check_parts(first, owner.size, outer and owner.rule.needs_norms)
+        whole_only = outer and not owner.rule.sums_in_parts
+        check_parts(first, owner.size, owner.rule.name if whole_only else None)
         key = (owner.fragment, owner.epoch, first.learner_id, first.incarnation, first.seq)
         kept = self.answers.get(key)
         if kept is not None:
@@ -156,7 +158,7 @@ class Parts:
             if sum(1 for k in self.open if k[0] == fragment and k[2] == slot) >= OPEN_PER_SLOT:
                 raise Rejection(
                     "bad_request",
-                    grpc.StatusCode.UNAVAILABLE,
+                    Status.UNAVAILABLE,
                     f"learner slot {slot[:64]!r} has {OPEN_PER_SLOT} updates in parts open on "
                     f"fragment {fragment} already; wait for their answers",
                 )
@@ -166,7 +168,7 @@ class Parts:
             if first.part in gathering.sending or first.part in gathering.arrived:
                 raise Rejection(
                     "bad_request",
-                    grpc.StatusCode.UNAVAILABLE,
+                    Status.UNAVAILABLE,
                     f"part {first.part} of update {first.seq} is being received already; "
                     "wait for its answer",
                 )
@@ -182,7 +184,7 @@ class Parts:
                 gathering,
                 Rejection(
                     "bad_request",
-                    grpc.StatusCode.UNAVAILABLE,
+                    Status.UNAVAILABLE,
                     f"part {first.part} of update {first.seq} broke off ({type(err).__name__}); "
                     "send every part again",
                 ),
@@ -304,7 +306,7 @@ class Parts:
             del self.open[key]
         if gathering.watchdog is not None and gathering.watchdog is not asyncio.current_task():
             gathering.watchdog.cancel()
-        retryable = isinstance(result, Rejection) and result.code == grpc.StatusCode.UNAVAILABLE
+        retryable = isinstance(result, Rejection) and result.code == Status.UNAVAILABLE
         if not retryable:
             self.answers[key] = Answer(result, dict(gathering.arrived))
             while len(self.answers) > KEEP_ANSWERS:
@@ -351,7 +353,7 @@ def _kept(kept: Answer, part: session_pb2.UpdateChunk) -> session_pb2.Ack:
     if kept.checksums.get(part.part) != part.header.checksum:
         raise Rejection(
             "checksum",
-            grpc.StatusCode.INVALID_ARGUMENT,
+            Status.INVALID_ARGUMENT,
             f"part {part.part} of update {part.seq} was received before with other bytes; a "
             "retry must resend the same update",
         )
@@ -359,13 +361,13 @@ def _kept(kept: Answer, part: session_pb2.UpdateChunk) -> session_pb2.Ack:
 
 
 def _invalid(reason: str, message: str) -> Rejection:
-    return Rejection(reason, grpc.StatusCode.INVALID_ARGUMENT, message)
+    return Rejection(reason, Status.INVALID_ARGUMENT, message)
 
 
 def _retry(what: str) -> Rejection:
     return Rejection(
         "bad_request",
-        grpc.StatusCode.UNAVAILABLE,
+        Status.UNAVAILABLE,
         f"the update in parts {what}; it was abandoned: send every part again",
     )
 
@@ -392,9 +394,9 @@ def begin_update(
             block_size=first.header.block_size,
         )
     except NormTooLarge as err:
-        raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        raise Rejection("norm", Status.INVALID_ARGUMENT, str(err)) from None
     except RoundBusy as err:  # retryable: the learner's client sends it again later
-        raise Rejection("bad_request", grpc.StatusCode.UNAVAILABLE, str(err)) from None
+        raise Rejection("bad_request", Status.UNAVAILABLE, str(err)) from None
 
 
 class Summing:
@@ -427,4 +429,4 @@ async def summed(job: asyncio.Future[None]) -> None:
     except codecs.CodecError as err:
         raise codec_refusal(err) from None
     except NormTooLarge as err:
-        raise Rejection("norm", grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        raise Rejection("norm", Status.INVALID_ARGUMENT, str(err)) from None

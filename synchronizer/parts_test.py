@@ -1,8 +1,13 @@
-import grpc
 import pytest
 
 from services.gen.atoll.v1 import session_pb2
-from synchronizer.admission import Rejection, check_part_chunk, check_parts, check_same_update
+from synchronizer.core.admission import (
+    Rejection,
+    Status,
+    check_part_chunk,
+    check_parts,
+    check_same_update,
+)
 from synchronizer.parts import Coverage, combined_checksum
 
 
@@ -32,12 +37,12 @@ def chunk(**kw: int) -> session_pb2.UpdateChunk:
 
 
 def test_part_numbers_and_the_merge_rule_are_checked() -> None:
-    check_parts(chunk(), size=100, needs_norms=False)
+    check_parts(chunk(), size=100, whole_only=None)
     for bad in (chunk(part=2), chunk(parts=1000), chunk(parts=3, part=3)):
         with pytest.raises(Rejection):
-            check_parts(bad, size=100, needs_norms=False)
+            check_parts(bad, size=100, whole_only=None)
     with pytest.raises(Rejection, match="--merge mean"):
-        check_parts(chunk(), size=100, needs_norms=True)
+        check_parts(chunk(), size=100, whole_only="radial")
 
 
 def test_a_parts_chunks_come_in_order_inside_the_fragment() -> None:
@@ -57,4 +62,4 @@ def test_parts_must_agree_on_the_updates_counters() -> None:
     check_same_update(chunk(part=1, c_steps=5, c_tokens=100), first)
     with pytest.raises(Rejection) as refused:
         check_same_update(chunk(part=1, c_steps=6, c_tokens=100), first)
-    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.code == Status.INVALID_ARGUMENT

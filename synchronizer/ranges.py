@@ -11,16 +11,15 @@ them asks.
 
 from __future__ import annotations
 
-import grpc
 import numpy as np
 import xxhash
 
 from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, synchronizer_pb2
 from synchronizer import values
-from synchronizer.admission import Rejection
-from synchronizer.store import ControlStore
-from synchronizer.tensors import TensorStore
+from synchronizer.core.admission import Rejection, Status
+from synchronizer.store.control import ControlStore
+from synchronizer.store.tensors import TensorStore
 from synchronizer.values import RebuiltValues, float32_bytes
 
 MAX_RANGES = 1 << 16  # ranges of one fragment in one fetch
@@ -55,11 +54,11 @@ async def value_at(
     except values.VersionGone as err:
         raise Rejection(
             "bad_request",
-            grpc.StatusCode.NOT_FOUND,
+            Status.NOT_FOUND,
             f"version {version} of fragment {fragment} is not kept ({err}); fetch the current one",
         ) from None
     except LookupError as err:
-        raise Rejection("bad_request", grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
+        raise Rejection("bad_request", Status.FAILED_PRECONDITION, str(err)) from None
 
 
 def range_chunks(
@@ -106,4 +105,4 @@ def range_chunks(
 
 
 def _invalid(message: str) -> Rejection:
-    return Rejection("bad_request", grpc.StatusCode.INVALID_ARGUMENT, message)
+    return Rejection("bad_request", Status.INVALID_ARGUMENT, message)

@@ -26,8 +26,9 @@ from services.config import JobConfig, SynchronizerSettings
 from services.grpcopts import bind_error, cannot_listen, server_options, split_hostport
 from synchronizer.auth import Authenticator, load_tokens
 from synchronizer.service import SERVICE_NAME, SynchronizerService
-from synchronizer.store import ControlStore, StoreError, open_store, redact
-from synchronizer.tensors import TensorStore, TensorStoreError
+from synchronizer.store.control import ControlStore, StoreError
+from synchronizer.store.redis_store import open_store, redact
+from synchronizer.store.tensors import TensorStore, TensorStoreError
 
 log = structlog.get_logger("atoll.synchronizer")
 DRAIN_SECONDS = 5.0

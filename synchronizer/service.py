@@ -1,5 +1,6 @@
-"""The synchronizer's gRPC service: control sessions, state fetches, and ingest into and new
-values from the fragments this replica owns.
+"""The synchronizer's gRPC service: control sessions (`session`), state fetches (`fetch`),
+and ingest into (`ingest`) and new values from (`followers`) the fragments this replica
+owns (`ownership`, `owner`).
 
 A replica keeps nothing that is not in Redis or the tensor store except what it owns while it
 owns it (fragment values and the open rounds' sums), which the next owner rebuilds: the
@@ -21,14 +22,15 @@ from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
 from services.tape import Tape
 from services.wirecount import counting_parser, counting_serializer, passing_bytes
-from synchronizer.admission import parse_chunk
+from synchronizer.core.admission import parse_chunk
+from synchronizer.fetch import StateFetch
 from synchronizer.followers import Followers
 from synchronizer.ingest import Ingest
 from synchronizer.owner import FragmentOwner
 from synchronizer.ownership import Ownership
 from synchronizer.session import Sessions, spec_from_json, spec_to_json
-from synchronizer.store import ControlStore, StoreError
-from synchronizer.tensors import TensorStore
+from synchronizer.store.control import ControlStore, StoreError
+from synchronizer.store.tensors import TensorStore
 from synchronizer.values import RebuiltValues
 
 SERVICE_NAME = synchronizer_pb2.DESCRIPTOR.services_by_name["Synchronizer"].full_name
@@ -57,15 +59,9 @@ class SynchronizerService:
         # Whole values served (joins, followers too far behind for deltas, shard fetches).
         rebuilt = RebuiltValues(codecs.by_name(settings.downlink_codec), settings.block_size)
         self.sessions = Sessions(
-            settings,
-            store,
-            tensors,
-            self.ownership,
-            self.tape,
-            lambda: self.layout,
-            self.adopt_spec,
-            rebuilt,
+            settings, store, self.ownership, self.tape, lambda: self.layout, self.adopt_spec
         )
+        self.fetch = StateFetch(settings, store, tensors, rebuilt, lambda: self.layout)
         self.followers = Followers(
             settings.job,
             settings.downlink_codec,
@@ -164,7 +160,7 @@ class SynchronizerService:
                 response_serializer=counting_serializer(session_pb2.Ack.SerializeToString, down),
             ),
             "FetchState": grpc.unary_stream_rpc_method_handler(
-                self.sessions.FetchState,
+                self.fetch.FetchState,
                 request_deserializer=counting_parser(
                     synchronizer_pb2.FetchStateRequest.FromString, up
                 ),

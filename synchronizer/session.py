@@ -1,10 +1,9 @@
-"""Learners' control sessions: hello, heartbeats, the owner map, commit notices, and the
-state fetch for (re)joining.
+"""Learners' control sessions: hello, heartbeats, the owner map and commit notices.
 
 Any replica serves any learner's session. It watches the fragments' versions and owners in
 Redis, tells each learner it serves the owner map and which of its updates a commit merged,
-and tells learners of several processes of new versions (they fetch their own ranges). New
-global values themselves come from each fragment's owner (`followers`).
+and tells learners of several processes of new versions (they fetch their own ranges,
+`fetch`). New global values themselves come from each fragment's owner (`followers`).
 """
 
 from __future__ import annotations
@@ -23,12 +22,12 @@ import structlog
 from services import codec as codecs
 from services import telemetry as tm
 from services.config import SynchronizerSettings
-from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
+from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
 from services.outage import OutageLog, every
 from services.tape import Tape
-from synchronizer import admission, auth, ranges
-from synchronizer.admission import (
+from synchronizer import auth
+from synchronizer.core.admission import (
     Rejection,
     check_heartbeat,
     check_hello,
@@ -37,9 +36,8 @@ from synchronizer.admission import (
     spec_digest,
 )
 from synchronizer.ownership import Ownership
-from synchronizer.store import ControlStore, SessionReopened
-from synchronizer.tensors import TensorStore
-from synchronizer.values import RebuiltValues, float32_bytes
+from synchronizer.refusals import grpc_status
+from synchronizer.store.control import ControlStore, SessionReopened
 
 log = structlog.get_logger("atoll.synchronizer.session")
 
@@ -151,60 +149,20 @@ class Connection:
         self.outbox.put_nowait(message)
 
 
-def value_layout(
-    fragment: int, values: bytes | memoryview, chunk_bytes: int
-) -> tuple[fragment_pb2.PayloadHeader, list[tuple[int, int]]]:
-    """A whole float32 value's header as fp32 segments, and each segment's [start, stop)."""
-    n = len(values) // 4
-    step = max(1, chunk_bytes // 4)
-    spans = [(start, min(n, start + step)) for start in range(0, max(1, n), step)]
-    header = fragment_pb2.PayloadHeader(
-        fragment=fragment,
-        codec=fragment_pb2.CODEC_FP32,
-        num_elements=n,
-        checksum=codecs.checksum(values),
-        chunk_count=len(spans),
-        total_bytes=len(values),
-    )
-    return header, spans
-
-
-def value_chunks(
-    fragment: int, version: int, values: bytes | memoryview, chunk_bytes: int
-) -> list[fragment_pb2.GlobalFragmentChunk]:
-    """A whole float32 value as fp32 segments (a fetch's answer)."""
-    header, spans = value_layout(fragment, values, chunk_bytes)
-    return [
-        fragment_pb2.GlobalFragmentChunk(
-            header=header,
-            version=version,
-            chunk_index=i,
-            data=bytes(values[4 * start : 4 * stop]),
-            value_offset=start,
-            value_count=stop - start,
-        )
-        for i, (start, stop) in enumerate(spans)
-    ]
-
-
 class Sessions:
     def __init__(
         self,
         settings: SynchronizerSettings,
         store: ControlStore,
-        tensors: TensorStore,
         ownership: Ownership,
         tape: Tape,
         layout: Callable[[], FragmentLayout | None],
         adopt_spec: Callable[[str], None],
-        rebuilt: RebuiltValues,
     ) -> None:
-        self.settings, self.store, self.tensors = settings, store, tensors
+        self.settings, self.store = settings, store
         self.ownership, self.tape = ownership, tape
         self._layout, self._adopt_spec = layout, adopt_spec
         self.connections: dict[str, Connection] = {}
-        # Whole values served (joins, shard fetches; shared with the followers' pushes).
-        self.rebuilt = rebuilt
         self.owner_map: list[session_pb2.FragmentOwner] = []
         self._greeting: set[str] = set()  # slots whose hello this replica is answering
         self._known_specs: dict[bytes, str] = {}  # spec digest -> the job's spec (JSON)
@@ -279,7 +237,7 @@ class Sessions:
             check_hello(hello, cfg.job)
             auth.check_slot(hello.learner_id)
         except Rejection as rejection:
-            raise SessionClosed(rejection.code, rejection.message) from None
+            raise SessionClosed(*grpc_status(rejection)) from None
         except auth.AuthError as err:
             raise SessionClosed(err.code, err.details) from None
         slot = hello.learner_id
@@ -309,7 +267,7 @@ class Sessions:
             try:
                 spec = await asyncio.to_thread(parse_spec, hello.params, self.settings.fragments)
             except Rejection as rejection:
-                raise SessionClosed(rejection.code, rejection.message) from None
+                raise SessionClosed(*grpc_status(rejection)) from None
             except LayoutError as err:
                 raise SessionClosed(
                     grpc.StatusCode.INVALID_ARGUMENT, f"bad model spec: {err}"
@@ -439,7 +397,7 @@ class Sessions:
         try:
             check_heartbeat(hb)
         except Rejection as rejection:
-            conn.outbox.put_nowait(SessionClosed(rejection.code, rejection.message))
+            conn.outbox.put_nowait(SessionClosed(*grpc_status(rejection)))
             return False
         now = time.monotonic()
         rate = self.settings.max_steps_per_s
@@ -579,71 +537,3 @@ class Sessions:
                 conn.told_versions[fragment] = version
                 notice = session_pb2.FragmentVersion(fragment=fragment, version=version)
                 conn.send(session_pb2.SynchronizerMessage(version=notice))
-
-    async def fragment_chunks(
-        self, fragment: int, held: int | None = None
-    ) -> list[fragment_pb2.GlobalFragmentChunk]:
-        """The fragment's whole current value, chunked; or, when its checksum is `held` (the
-        learner already has it), one chunk without data that says so."""
-        version, value = await self.rebuilt.get(self.store, self.tensors, fragment)
-        chunks = await asyncio.to_thread(  # copies the whole value: off the event loop
-            value_chunks, fragment, version, float32_bytes(value), self.settings.max_chunk_bytes
-        )
-        if held is not None and chunks[0].header.checksum == held:
-            header = fragment_pb2.PayloadHeader()
-            header.CopyFrom(chunks[0].header)
-            header.chunk_count, header.total_bytes = 1, 0
-            return [
-                fragment_pb2.GlobalFragmentChunk(header=header, version=version, unchanged=True)
-            ]
-        return chunks
-
-    async def FetchState(
-        self,
-        request: synchronizer_pb2.FetchStateRequest,
-        context: grpc.aio.ServicerContext[
-            synchronizer_pb2.FetchStateRequest, fragment_pb2.GlobalFragmentChunk
-        ],
-    ) -> AsyncIterator[fragment_pb2.GlobalFragmentChunk]:
-        try:
-            admission.check_job(request.job, self.settings.job)
-        except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
-        layout = self._layout()
-        if layout is None or not await self.store.is_initialized(layout.num_fragments):
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "the job has no global parameters yet; a learner must join first",
-            )
-        assert layout is not None
-        named = (request.fragments, request.held, request.ranges, request.versions)
-        try:
-            admission.check_fragments_named(
-                "state fetch", layout.num_fragments, named, request.fragments
-            )
-        except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
-        wanted = list(dict.fromkeys(request.fragments)) or list(range(layout.num_fragments))
-        for p in wanted:
-            if p in request.ranges or p in request.versions:
-                try:
-                    chunks = await self._ranges(p, request, layout)
-                except Rejection as rejection:
-                    await context.abort(rejection.code, rejection.message)
-            else:
-                chunks = await self.fragment_chunks(p, request.held.get(p))
-            for chunk in chunks:
-                yield chunk
-
-    async def _ranges(
-        self, p: int, request: synchronizer_pb2.FetchStateRequest, layout: FragmentLayout
-    ) -> list[fragment_pb2.GlobalFragmentChunk]:
-        """Some ranges of fragment p (default: all of it), at a chosen version (default: the
-        current one): a process of a learner over several hosts fetches its own."""
-        n = layout.fragments[p].num_elements
-        wanted = ranges.check_ranges(request.ranges[p], n) if p in request.ranges else [(0, n)]
-        version = request.versions.get(p)
-        version, values = await ranges.value_at(self.store, self.tensors, p, version, self.rebuilt)
-        return await asyncio.to_thread(  # copies the values asked for: off the event loop
-            ranges.range_chunks, p, version, values, wanted, self.settings.max_chunk_bytes
-        )

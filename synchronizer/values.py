@@ -12,23 +12,31 @@ size.
 A new owner after a failover resumes the value exactly, and the optimizer's trace and the
 residual as of the keyframe (at most `VALUE_EVERY` versions old): the trace is a running
 average, and a stale residual resends at most a quantum per value once.
+
+An owner writes its fragment's keyframes through `Keyframes`; anyone reads a value at a
+version through `value_at` (or `RebuiltValues`, which keeps the last one rebuilt).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import structlog
 
 from services import codec as codecs
 from services.downlink import apply_segment
-from synchronizer.store import ControlStore, Pointer
-from synchronizer.tensors import TensorStore, TensorStoreError, version_of
+from synchronizer.records import Keyframe
+from synchronizer.store.control import ControlStore, Pointer
+from synchronizer.store.tensors import TensorStore, TensorStoreError, object_name, version_of
 
+log = structlog.get_logger("atoll.synchronizer.values")
 VALUE_EVERY = 8
 _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="atoll-rebuild")
 
@@ -150,3 +158,84 @@ class RebuiltValues:
             if cached is None or found[0] >= cached[0]:
                 self._last[fragment] = found
             return found
+
+
+class Keyframes:
+    """A fragment owner's keyframes: those the pointer has named, newest last (two kept),
+    one written since that the next commit names, and the write in progress, which the next
+    outer step waits for (it changes the arrays being written)."""
+
+    def __init__(
+        self, store: ControlStore, fragment: int, epoch: int, tensors: TensorStore
+    ) -> None:
+        self.store, self.fragment, self.epoch, self.tensors = store, fragment, epoch, tensors
+        self.named: list[Keyframe] = []
+        self.written: Keyframe | None = None
+        self._writing: asyncio.Task[None] | None = None
+
+    def loaded(self, pointer: Pointer) -> None:
+        """The keyframe a loaded pointer names is the one kept."""
+        self.named = [Keyframe(keyframe_version(pointer), pointer.value, pointer.state)]
+
+    def names(self, version: int, states: int) -> Keyframe:
+        """The objects of this owner's keyframe of `version`, with `states` state arrays."""
+        job, p, e = self.store.job, self.fragment, self.epoch
+        return Keyframe(
+            version,
+            object_name(job, p, version, e, "value"),
+            tuple(object_name(job, p, version, e, f"state{i}") for i in range(states)),
+        )
+
+    async def write(self, frame: Keyframe, value: np.ndarray, states: Sequence[np.ndarray]) -> None:
+        await asyncio.gather(
+            self.tensors.put(frame.value, value),
+            *(self.tensors.put(n, a) for n, a in zip(frame.state, states, strict=True)),
+        )
+
+    def start(self, version: int, value: np.ndarray, arrays: list[np.ndarray]) -> None:
+        """Write this version's value, state and residual in the background; the next
+        commit names them once written."""
+        frame = self.names(version, len(arrays))
+
+        async def write() -> None:
+            started = time.monotonic()
+            try:
+                await self.write(frame, value, arrays)
+            except Exception as err:  # the pointer keeps the older keyframe; deltas cover it
+                log.warning(
+                    "keyframe_failed", fragment=self.fragment, version=version, error=repr(err)
+                )
+                # What was written is collected later if the store refuses now: a merge
+                # waits for this task, and must not fail with it.
+                with contextlib.suppress(Exception):
+                    await self.tensors.delete([frame.value, *frame.state])
+                return
+            self.written = frame
+            log.info(
+                "keyframe_written",
+                fragment=self.fragment,
+                version=version,
+                seconds=round(time.monotonic() - started, 4),
+            )
+
+        self._writing = asyncio.create_task(write())
+
+    async def wait(self) -> None:
+        """Wait for a keyframe write in progress: it reads the arrays the step changes."""
+        if self._writing is not None:
+            await asyncio.shield(self._writing)
+            self._writing = None
+
+    def newest(self) -> Keyframe:
+        """The keyframe the next commit names: the newest written."""
+        return self.written or self.named[-1]
+
+    def committed(self, frame: Keyframe) -> None:
+        """A commit named `frame`: it is the newest kept, beside the one before."""
+        if frame is not self.named[-1]:
+            self.named = [self.named[-1], frame]
+        self.written = None
+
+    def close(self) -> None:
+        if self._writing is not None:
+            self._writing.cancel()

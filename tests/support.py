@@ -16,7 +16,7 @@ from services.gen.atoll.v1 import session_pb2
 from services.layout import FragmentLayout, LeafSpec, fragment_layout
 from services.wire import segments_header
 from synchronizer import inspect
-from synchronizer.keys import JobKeys
+from synchronizer.store.keys import JobKeys
 
 SPECS = [LeafSpec(f"blocks/{i}/w", (32, 32)) for i in range(4)] + [LeafSpec("embed", (16, 32))]
 

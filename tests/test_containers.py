@@ -22,7 +22,7 @@ import redis
 
 from cluster.processes import Child, atoll_command, child_env, synchronizer_args
 from cluster.redis_server import free_port
-from synchronizer.keys import JobKeys
+from synchronizer.store.keys import JobKeys
 from tests.test_up import SMALL
 
 os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")

@@ -35,7 +35,7 @@ from services import tls
 from services.config import JobConfig
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from synchronizer import inspect
-from synchronizer.admission import MAX_LEAVES
+from synchronizer.core.admission import MAX_LEAVES
 from tests import support
 from tests.conftest import SpawnSynchronizer
 

@@ -10,7 +10,7 @@ import redis.cluster
 
 from cluster.processes import synchronizer_child
 from cluster.redis_server import RedisClusterServers
-from synchronizer.keys import JobKeys
+from synchronizer.store.keys import JobKeys
 from tests import support
 from tests.test_synchronizer import wait_until
 

@@ -24,8 +24,9 @@ from learner.client import SessionError, SynchronizerClient
 from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2, synchronizer_pb2
 from synchronizer import inspect
-from synchronizer.store import Commit, open_store
-from synchronizer.tensors import version_of
+from synchronizer.store.control import Commit
+from synchronizer.store.redis_store import open_store
+from synchronizer.store.tensors import version_of
 from tests import support
 from tests.conftest import SpawnSynchronizer
 

@@ -1,9 +1,10 @@
-"""The control plane in Redis: small records only (no tensor bytes, no value over about 1 MiB).
+"""The control store in Redis: small records only (no tensor bytes, no value over about 1 MiB).
 
 Every check-and-set is one Lua script (see `lua/`) over keys of one hash tag: a fragment's
 scripts touch only that fragment's keys, the job's scripts only job-wide keys, so a Redis
 Cluster may hold them on different nodes. Scripts return statuses; what to do about them is
-decided in Python (`rounds.py`, `owner.py`).
+decided in Python (`core/rounds.py`, the owner). The interface it keeps is
+`control.ControlStore`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -23,15 +23,12 @@ from redis.asyncio.sentinel import Sentinel
 from redis.commands.core import AsyncScript
 
 from services.config import INIT_CLAIM_S
-from synchronizer.keys import JobKeys
+from synchronizer.core.rounds import Live, LiveLearner
+from synchronizer.store.control import LOG_KEEP, Commit, Hello, Pointer, SessionReopened, StoreError
+from synchronizer.store.keys import JobKeys
 
 SUPPORTED_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel")
 SEEN_TTL_S = 7 * 86_400  # a slot's idempotency records of a fragment it stopped sending to
-LOG_KEEP = 2000  # commit log entries kept per fragment (older ones are in the tape)
-
-
-class StoreError(RuntimeError):
-    """The store refused or could not do what was asked; the message says why."""
 
 
 SECRET_QUERY_KEYS = ("password", "passwd", "pass", "token", "secret", "key", "sig", "signature")
@@ -54,62 +51,6 @@ def redact(url: str) -> str:
         ]
         parts = parts._replace(query="&".join(f"{k}={v}" for k, v in query))
     return urlunparse(parts)
-
-
-@dataclass(frozen=True)
-class Hello:
-    status: str  # ok, spec_mismatch (the learner's model differs), busy (slot has a session)
-    previous: str  # the incarnation this one replaces ("" if none)
-    initializer: bool  # the job has no parameters yet and this learner is to send them
-    counted_steps: int = 0  # the slot's steps toward the job's budget, as counted now
-    steps_done: int = 0  # the job's steps over all slots, as counted now
-    session: int = 0  # the slot's count of hellos: this session's number
-
-
-class SessionReopened(Exception):
-    """The learner's incarnation opened a newer session (it reconnected): this one ends."""
-
-
-@dataclass(frozen=True)
-class LiveLearner:
-    learner: str
-    step_time_ema_s: float  # 0 when not reported yet
-    finished: bool  # sent its last update
-    still_to_send: frozenset[int] | None  # finishing: fragments it still sends; None: not
-
-
-@dataclass(frozen=True)
-class Live:
-    now_s: float  # Redis time
-    learners: tuple[LiveLearner, ...]
-
-
-@dataclass(frozen=True)
-class Pointer:
-    """Where a fragment's committed version lives in the tensor store."""
-
-    version: int
-    value: str
-    state: tuple[str, ...]
-    delta: str  # the encoded delta that made this version ('' for version 0)
-
-
-@dataclass(frozen=True)
-class Commit:
-    """A merged round, ready to be committed by the fragment's owner."""
-
-    fragment: int
-    replica: str
-    epoch: int
-    expected_version: int
-    value: str
-    state: tuple[str, ...]
-    delta: str
-    merged: list[tuple[str, str, int]]  # (learner, incarnation, seq) of each merged update
-    useful_seconds: float
-    tokens_merged: float
-    stale_folded: int
-    log_entry: dict[str, Any]
 
 
 def _s(value: object) -> str:
@@ -158,14 +99,14 @@ def open_redis(url: str) -> Any:
     return aioredis.Redis.from_url(url, health_check_interval=5, **options)
 
 
-class ControlStore:
+class RedisControlStore:
     """A job's control state in Redis (one server, a Cluster, or a Sentinel's master)."""
 
     def __init__(self, client: Any, job: str) -> None:
         self.redis = client
         self.job = job
         self.keys = JobKeys(job)
-        lua = resources.files("synchronizer") / "lua"
+        lua = resources.files("synchronizer.store") / "lua"
         self._scripts: dict[str, AsyncScript] = {
             path.name.removesuffix(".lua"): client.register_script(path.read_text())
             for path in lua.iterdir()
@@ -516,5 +457,5 @@ class ControlStore:
         return sorted(_s(uid) for reply in replies for uid in reply)
 
 
-def open_store(url: str, job: str) -> ControlStore:
-    return ControlStore(open_redis(url), job)
+def open_store(url: str, job: str) -> RedisControlStore:
+    return RedisControlStore(open_redis(url), job)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from synchronizer.store import redact
+from synchronizer.store.redis_store import redact
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from synchronizer.open_round import OpenRound
+from synchronizer.core.open_round import OpenRound
 
 
 @dataclass(eq=False)

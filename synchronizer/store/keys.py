@@ -110,7 +110,7 @@ class JobKeys:
 
     def norms(self, p: int) -> str:
         """Hash: learner slot -> `norm steps` of its last accepted update of fragment p (the
-        norm as merged: clipped), which bound the next updates (`owner.clip_bound`)."""
+        norm as merged: clipped), which bound the next updates (`admission.Guards.clip_bound`)."""
         return fragment_key(self.job, p, "norms")
 
     def log(self, p: int) -> str:

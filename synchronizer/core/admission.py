@@ -1,23 +1,28 @@
 """Which updates the synchronizer admits: pure checks, each refusal with a reason to act on.
 
-Nothing here touches state; a refused update never reaches the store.
+Nothing here touches state; a refused update never reaches the store. A refusal carries its
+status as a `Status` (gRPC's numbering); the shell turns it into gRPC's own at the edge
+(`synchronizer/refusals.py`).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import grpc
 import numpy as np
 
 from services import codec as codecs
+from services.config import JobConfig
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from services.layout import FragmentLayout
 from services.wire import split_field
+from synchronizer.core.merge import token_weight
+from synchronizer.core.recent import Recent
 
 DATA_FIELD = session_pb2.UpdateChunk.DESCRIPTOR.fields_by_name["data"].number
 
@@ -42,10 +47,21 @@ def parse_chunk(message: bytes) -> Arrived:
     return Arrived(session_pb2.UpdateChunk.FromString(rest), data)
 
 
+class Status(enum.IntEnum):
+    """The status a refusal is answered with, numbered as gRPC numbers its status codes."""
+
+    INVALID_ARGUMENT = 3
+    NOT_FOUND = 5
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    UNAVAILABLE = 14
+
+
 @dataclass(frozen=True)
 class Rejection(Exception):
     reason: str  # one of telemetry.REJECT_REASONS
-    code: grpc.StatusCode
+    code: Status
     message: str
 
     def __str__(self) -> str:
@@ -53,7 +69,7 @@ class Rejection(Exception):
 
 
 def _invalid(reason: str, message: str) -> Rejection:
-    return Rejection(reason, grpc.StatusCode.INVALID_ARGUMENT, message)
+    return Rejection(reason, Status.INVALID_ARGUMENT, message)
 
 
 def check_header(
@@ -176,20 +192,23 @@ def check_chunk(
 MAX_PARTS = 256  # processes one learner's update may come from
 
 
-def check_parts(chunk: session_pb2.UpdateChunk, size: int, needs_norms: bool) -> None:
-    """An update in parts: its part number, and a merge rule that can sum it part by part."""
+def check_parts(chunk: session_pb2.UpdateChunk, size: int, whole_only: str | None) -> None:
+    """An update in parts: its part number, and a merge rule that can sum it part by part.
+    `whole_only`: the name of the job's merge rule where it cannot (None: it can, or the
+    update is first values)."""
     if not 1 < chunk.parts <= min(MAX_PARTS, max(1, size)) or chunk.part >= chunk.parts:
         raise _invalid(
             "bad_request",
             f"part {chunk.part} of {chunk.parts}: an update comes in 2..{MAX_PARTS} parts (at "
             "most one per value), numbered from 0",
         )
-    if needs_norms:
+    if whole_only is not None:
         raise _invalid(
             "bad_request",
-            "radial merging divides each tensor by its whole norm before summing it, which an "
-            "update in parts (a learner of several processes) cannot give with its first "
-            "chunk; run the job with --merge mean",
+            f"the job's {whole_only} merge takes each update whole (radial merging divides "
+            "each tensor by its whole norm before summing it), which an update in parts (a "
+            "learner of several processes) cannot give with its first chunk; run the job "
+            "with --merge mean",
         )
 
 
@@ -267,7 +286,7 @@ def check_job(asked: str, served: str) -> None:
     if asked != served:
         raise Rejection(
             "bad_request",
-            grpc.StatusCode.FAILED_PRECONDITION,
+            Status.FAILED_PRECONDITION,
             f"this synchronizer serves job {served!r}, not {asked[:MAX_NAME_CHARS]!r}; check --job",
         )
 
@@ -403,3 +422,92 @@ def max_payload_bytes(n: int, block_size: int, chunks: int) -> int:
     and chunk) on top of at most a byte per value."""
     blocks = -(-n // block_size) + chunks if block_size else 0
     return 4 * n + 16 * blocks
+
+
+# --- the bounds an update's values are held to --------------------------------------------
+# An update covering more steps than its reference may be this many times its norm at most
+# (a claimed step count cannot widen the bound without limit).
+MAX_STEP_SPAN = 8.0
+# With no other learner's update to measure an update against, a fragment of all zeros (or
+# nearly: biases) is measured as if its values had this root mean square.
+REFERENCE_RMS = 0.1
+
+
+def update_weight(c_tokens: int, c_steps: int, cap: float | None, staleness: float) -> float:
+    """What an update weighs in its round: its tokens' weight (`token_weight`), at most
+    `cap` (None: provisional, as claimed), times its staleness factor; never zero."""
+    weight = token_weight(c_tokens, c_steps)
+    if cap is not None:
+        weight = min(weight, cap)
+    return max(weight * staleness, 1e-30)
+
+
+def step_scale(steps: int, reference_steps: int) -> float:
+    """How much larger than a reference update of `reference_steps` inner steps an honest
+    update of `steps` steps may be. An outer gradient's norm grows between the square root
+    of its steps (noise) and linearly (a steady direction): fewer steps scale by the square
+    root, more steps linearly, at most MAX_STEP_SPAN times. Steps differ between honest
+    updates: a learner whose reply comes late sends more steps at once, and the one after
+    it fewer."""
+    x = max(1, steps) / max(1, reference_steps)
+    return math.sqrt(x) if x < 1.0 else min(x, MAX_STEP_SPAN)
+
+
+def claimed_norm(norms: Sequence[float]) -> float:
+    """The L2 norm an update's per-tensor norms add up to."""
+    return math.sqrt(sum(float(n) ** 2 for n in norms))
+
+
+class Guards:
+    """The bounds on one fragment's updates, from its recent accepted ones: each learner's
+    last weight (as capped) and its L2 norm under the inner steps it covered, and the
+    fragment's own norm. A learner's own history never moves its bar."""
+
+    def __init__(self, config: JobConfig, size: int) -> None:
+        self.config, self.size = config, size
+        self.weights = Recent()
+        self.norms = Recent()
+        self.theta_norm = 0.0  # the fragment's committed value's L2 norm
+
+    def weight_cap(self, learner: str) -> float | None:
+        """The most an update of `learner` may weigh: --max-weight-share times the median
+        weight of the other learners' last updates (its fair share), so that whatever tokens
+        it claims it cannot buy the merge, and its own claims never move the bar. None while
+        no other learner's update is known."""
+        median = self.weights.median_of_others(learner)
+        return None if median is None else self.config.max_weight_share * median
+
+    def norm_bound(self, learner: str, steps: int) -> float:
+        """The largest L2 norm an update of `steps` inner steps may have:
+        --max-update-norm-ratio times the median of the other learners' last accepted
+        updates (a learner's own never moves its bar; a refused one moves no one's, so
+        refusals cost an attacker nothing and gain it nothing), each scaled to `steps`
+        (`step_scale`: a learner whose reply came late sends more steps at once, and the next
+        update fewer); never below the fragment's own norm, as if its values had an RMS of at
+        least REFERENCE_RMS (a fragment of zeros): learners whose updates outgrow each other's
+        tiny last ones together, as in warm-up, are not shut out, and an attacker gains at
+        most the fragment's size times its capped weight. With no other learner's update
+        yet, --max-update-norm-ratio times that size (an outer gradient is a fraction of the
+        parameters it moves); never the learner's own last norm, which would let a slot
+        alone on a fragment raise its own bar tenfold with every update."""
+        ratio = self.config.max_update_norm_ratio
+        size = max(self.theta_norm, REFERENCE_RMS * math.sqrt(self.size))
+        median = self.norms.median_of_others(learner, lambda s: step_scale(steps, s))
+        if median is not None:
+            return max(ratio * median, size)
+        return ratio * size
+
+    def clip_bound(self, learner: str, steps: int) -> float:
+        """The L2 norm an update of `steps` inner steps is scaled down to if larger:
+        --clip-norm-ratio times the median of the other slots' last accepted updates of the
+        fragment, as they merged (clipped), each scaled to `steps` (`step_scale`). Kept in
+        the control store (its norm history), so a new owner measures against the same
+        history. A slot's own history never moves its bar, and only clipped norms enter the
+        history, so slots short of a majority of those with history cannot raise it: their
+        entries sit above the median. With no other slot's (the fragment's first update, or
+        a slot alone on it): --warmup-update-rms per value, never a multiple of the
+        fragment's own norm, which let one update replace the fragment."""
+        median = self.norms.median_of_others(learner, lambda s: step_scale(steps, s))
+        if median:  # None, or others that sent nothing: the warm-up bound
+            return self.config.clip_norm_ratio * median
+        return self.config.warmup_update_rms * math.sqrt(self.size)

@@ -4,7 +4,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from synchronizer.tensors import TensorStore, TensorStoreError, object_name, version_of
+from synchronizer.store.tensors import TensorStore, TensorStoreError, object_name, version_of
 
 
 def test_objects_round_trip_list_and_delete(tmp_path: Path) -> None:

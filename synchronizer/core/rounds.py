@@ -1,11 +1,14 @@
 """When a round of one fragment merges: minimum quorum, then the adaptive grace window.
 
-Pure functions over times in seconds; the caller supplies the clock (Redis's).
+Pure functions over times in seconds; the caller supplies the clock. `round_state` gathers
+what the rule reads from an owner's open round and the job's live learners; `decide` rules.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 
 def grace_window(
@@ -22,6 +25,22 @@ def grace_window(
     """
     slack = overlap_steps * step_time_s - (t_quorum_s + t_sync_s)
     return gamma * max(0.0, slack)
+
+
+@dataclass(frozen=True)
+class LiveLearner:
+    learner: str
+    step_time_ema_s: float  # 0 when not reported yet
+    finished: bool  # sent its last update
+    still_to_send: frozenset[int] | None  # finishing: fragments it still sends; None: not
+
+
+@dataclass(frozen=True)
+class Live:
+    """The job's live learners at one instant of the control store's clock."""
+
+    now_s: float
+    learners: tuple[LiveLearner, ...]
 
 
 @dataclass(frozen=True)
@@ -184,3 +203,98 @@ def decide(
         return Decision(merge_now=everyone_in)
     held = coalescing(state, policy, t_sync_s)
     return Decision(merge_now=not held, held=held)
+
+
+@dataclass
+class RoundTimes:
+    """When an owner's open round opened, first reached quorum and ends its grace window,
+    when its newest member was received, and when it was last held for an update streaming
+    in (the owner's monotonic clock, seconds)."""
+
+    opened_at: float
+    quorum_at: float | None = None
+    deadline: float | None = None
+    last_received: float = 0.0
+    held_at: float = 0.0
+
+    def decided(self, decision: Decision, now: float) -> None:
+        """What the rule decided at `now`: quorum reached (a deadline set), or held."""
+        if decision.new_deadline is not None:
+            self.quorum_at, self.deadline = now, decision.new_deadline
+        if decision.held:
+            self.held_at = now
+
+    def ready(self, now: float) -> float:
+        """When a round merging at `now` was ready: once its last update was in, or its
+        grace window ended (the last time it was held for an update streaming in, if
+        later)."""
+        window = max(self.deadline or 0.0, self.held_at)
+        return max(self.last_received, min(window, now))
+
+    def reopen(self, now: float) -> None:
+        """A new round opens at `now` (a commit, or a value loaded); members received
+        meanwhile stay received."""
+        self.opened_at, self.quorum_at, self.deadline, self.held_at = now, None, None, 0.0
+
+
+class Arriving(Protocol):
+    """An update streaming into a round: how many of its values have come, and when and how
+    many came with its first chunk."""
+
+    @property
+    def arrived(self) -> int: ...
+    @property
+    def first_at(self) -> float: ...
+    @property
+    def first_values(self) -> int: ...
+
+
+def round_state(
+    live: Live,
+    *,
+    fragment: int,
+    size: int,
+    contributors: Collection[str],
+    sending: Collection[str],
+    streaming: Iterable[Arriving],
+    first_update_at: float | None,
+    times: RoundTimes,
+    now: float,
+    inner_steps: int,
+) -> tuple[RoundState, float]:
+    """An open round as the rule reads it, and the slowest live learner's step time.
+    `contributors`, `sending`: the slots with an update received into the round, or still
+    streaming in; `streaming`: the updates arriving into this round (not one moved on to
+    the next), each expected in at the pace its chunks came after its first (an update
+    covers the whole fragment of `size` values); none before its second chunk."""
+    finished = sum(1 for lv in live.learners if lv.finished)
+    waiting = sum(
+        1
+        for lv in live.learners
+        if not lv.finished
+        and lv.learner not in contributors
+        and (lv.still_to_send is None or fragment in lv.still_to_send)
+    )
+    waiting += len(set(sending) - {lv.learner for lv in live.learners})
+    etas = tuple(
+        (size - u.arrived) * (now - u.first_at) / (u.arrived - u.first_values)
+        for u in streaming
+        if u.arrived > u.first_values
+    )
+    members = [lv for lv in live.learners if lv.learner in contributors]
+    slowest_member = max((lv.step_time_ema_s for lv in members), default=0.0)
+    state = RoundState(
+        contributors=len(contributors),
+        live_learners=len(live.learners),
+        opened_at=times.opened_at,
+        quorum_at=times.quorum_at,
+        deadline=times.deadline,
+        now=now,
+        finished_learners=finished,
+        waiting=waiting,
+        streaming_eta_s=etas,
+        first_update_at=first_update_at,
+        patience_s=inner_steps * slowest_member if slowest_member else None,
+    )
+    slowest = max((lv.step_time_ema_s for lv in live.learners), default=0.0)
+    return state, slowest

@@ -1,6 +1,19 @@
+from dataclasses import dataclass
+
 import pytest
 
-from synchronizer.rounds import RoundPolicy, RoundState, decide, grace_window, required_quorum
+from synchronizer.core.rounds import (
+    Decision,
+    Live,
+    LiveLearner,
+    RoundPolicy,
+    RoundState,
+    RoundTimes,
+    decide,
+    grace_window,
+    required_quorum,
+    round_state,
+)
 
 POLICY = RoundPolicy(mode="decoupled", quorum=2, overlap_steps=10, gamma=0.8, fixed_grace_s=None)
 
@@ -97,7 +110,7 @@ def test_a_round_no_live_learner_can_add_to_merges_without_waiting_out_its_grace
 
 
 def test_the_adaptive_grace_window_is_capped() -> None:
-    from synchronizer.rounds import RoundPolicy, RoundState, decide
+    from synchronizer.core.rounds import RoundPolicy, RoundState, decide
 
     policy = RoundPolicy(
         mode="decoupled", quorum=1, overlap_steps=5, gamma=0.8, fixed_grace_s=None, max_grace_s=30.0
@@ -111,7 +124,7 @@ def test_the_adaptive_grace_window_is_capped() -> None:
 
 
 def test_a_round_waits_for_an_update_streaming_in_for_at_most_a_merges_time() -> None:
-    from synchronizer.rounds import RoundPolicy, RoundState, decide
+    from synchronizer.core.rounds import RoundPolicy, RoundState, decide
 
     policy = RoundPolicy("decoupled", 1, 5, 0.8, None)
 
@@ -193,3 +206,66 @@ def test_every_live_learner_by_default_and_a_straggler_is_waited_for_one_period(
     # A configured K stays a hard minimum: no waiting out.
     k2 = state(1, live=3, now=1000.0, first_update_at=100.0, patience_s=4.0)
     assert not decide(k2, POLICY, slowest_step_s=0.5, t_sync_s=0.2).merge_now
+
+
+@dataclass
+class _Arriving:
+    arrived: int
+    first_at: float
+    first_values: int
+
+
+def test_a_rounds_state_counts_who_may_still_send_and_when_streaming_updates_come_in() -> None:
+    """Live learners not in the round and not finished (or finishing with this fragment
+    still to send) wait, and so do slots sending without a live session; an update
+    streaming in is expected at the pace of its chunks after its first, none before its
+    second; patience is H steps of the slowest member."""
+    live = Live(
+        now_s=0.0,
+        learners=(
+            LiveLearner("a", 0.5, False, None),  # a member
+            LiveLearner("b", 2.0, False, None),  # waiting
+            LiveLearner("c", 1.0, False, frozenset({3})),  # finishing, fragment 3 to send
+            LiveLearner("d", 1.0, False, frozenset({1})),  # finishing, not this fragment
+            LiveLearner("e", 1.0, True, None),  # finished
+        ),
+    )
+    state, slowest = round_state(
+        live,
+        fragment=3,
+        size=1024,
+        contributors={"a"},
+        sending={"b", "ghost"},
+        streaming=[_Arriving(768, 10.0, 256), _Arriving(256, 11.0, 256)],
+        first_update_at=9.0,
+        times=RoundTimes(opened_at=5.0),
+        now=12.0,
+        inner_steps=10,
+    )
+    assert (state.contributors, state.live_learners, state.finished_learners) == (1, 5, 1)
+    assert state.waiting == 3  # b, c, and the ghost sending without a session
+    assert state.streaming_eta_s == pytest.approx((1.0,))  # 512 values in 2 s, 256 to come
+    assert state.patience_s == 5.0  # 10 steps of the member's 0.5 s
+    assert state.first_update_at == 9.0
+    assert slowest == 2.0
+
+
+def test_a_rounds_times_say_when_it_was_ready_and_reopen_keeping_its_members() -> None:
+    times = RoundTimes(opened_at=10.0)
+    times.last_received = 11.0
+    times.decided(Decision(merge_now=False, new_deadline=14.0, grace_s=3.0), now=11.0)
+    assert (times.quorum_at, times.deadline) == (11.0, 14.0)
+    assert times.ready(now=12.0) == 12.0  # merged early (everyone in): ready now
+    assert times.ready(now=20.0) == 14.0  # merged late: ready when its window ended
+    times.decided(Decision(merge_now=False, held=True), now=16.0)
+    assert times.ready(now=20.0) == 16.0  # held for an update streaming in until then
+    times.last_received = 18.0
+    assert times.ready(now=20.0) == 18.0  # its last member came later still
+    times.reopen(now=21.0)
+    assert (times.opened_at, times.quorum_at, times.deadline, times.held_at) == (
+        21.0,
+        None,
+        None,
+        0.0,
+    )
+    assert times.last_received == 18.0

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from synchronizer.owner import step_scale
-from synchronizer.recent import Recent, kth_smallest
+from synchronizer.core.admission import step_scale
+from synchronizer.core.recent import Recent, kth_smallest
 
 VALUES = st.floats(min_value=1e-6, max_value=1e6, allow_nan=False)
 ENTRIES = st.lists(

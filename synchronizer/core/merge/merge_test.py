@@ -1,11 +1,15 @@
+from typing import get_args
+
 import numpy as np
 import pytest
 
 from services.codec import CodecError, by_name
+from services.config import JobConfig
 from services.downlink import fused_step, step_segment
-from synchronizer.merge import (
-    MERGE_RULES,
+from synchronizer.core.merge import (
+    REGISTRY,
     OuterOptimizer,
+    StreamingSum,
     capped_weights,
     live_round_scale,
     partial_round_scale,
@@ -26,7 +30,8 @@ def merged(
     """Sum updates chunk by chunk (two chunks each) as an owner does, then read the outer
     gradient back in two slices."""
     n = len(updates[0][0])
-    acc = MERGE_RULES[rule].new(n, segments or (n,))
+    acc = REGISTRY[rule].new(n, segments or (n,))
+    assert isinstance(acc, StreamingSum)
     for i, (delta, steps, tokens) in enumerate(updates):
         w = weights[i] if weights else token_weight(tokens, steps)
         values = np.array(delta, np.float32)
@@ -71,7 +76,8 @@ def test_a_slow_learner_with_fewer_tokens_per_step_weighs_less() -> None:
 
 
 def test_an_update_taken_out_again_leaves_the_sum_as_it_was() -> None:
-    acc = MERGE_RULES["mean"].new(4, (4,))
+    acc = REGISTRY["mean"].new(4, (4,))
+    assert isinstance(acc, StreamingSum)
     acc.add(0, np.array([1, 2, 3, 4], np.float32), 2.0, [])
     acc.counted(2.0, [], 1)
     acc.add(0, np.array([9, 9, 9, 9], np.float32), 5.0, [])
@@ -212,3 +218,11 @@ def test_a_round_steps_by_the_live_learners_it_stands_for() -> None:
     assert live_round_scale({"l0"}, frozenset()) == 1.0
     assert live_round_scale({"l0", "l1"}, frozenset({"l0", "l1", "l2", "l3"})) == 0.5
     assert live_round_scale({"l0"}, None) == 1.0  # --partial-rounds full
+
+
+def test_the_merge_settings_choices_are_the_registrys_rules() -> None:
+    """Every rule registered is a choice of --merge, and every choice a registered rule."""
+    assert set(get_args(JobConfig.model_fields["merge"].annotation)) == set(REGISTRY)
+    for name, rule in REGISTRY.items():
+        assert rule.name == name
+        assert rule.help

@@ -1,4 +1,5 @@
-import grpc
+import math
+
 import numpy as np
 import pytest
 
@@ -6,9 +7,11 @@ from services import codec as codecs
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from services.layout import LeafSpec, fragment_layout
 from services.wire import segments_header
-from synchronizer.admission import (
+from synchronizer.core.admission import (
     MAX_LEAVES,
+    MAX_STEP_SPAN,
     Rejection,
+    Status,
     check_header,
     check_heartbeat,
     check_hello,
@@ -19,6 +22,7 @@ from synchronizer.admission import (
     max_payload_bytes,
     parse_chunk,
     spec_digest,
+    step_scale,
 )
 
 LAYOUT = fragment_layout([LeafSpec("a", (100,)), LeafSpec("b", (50,))], 2)
@@ -47,7 +51,7 @@ def test_bad_headers_are_refused(kw: dict[str, int], kind: int, c_steps: int, re
     with pytest.raises(Rejection) as info:
         check_header(header(**kw), kind, c_steps, LAYOUT)
     assert info.value.reason == reason
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.code == Status.INVALID_ARGUMENT
     assert info.value.message
 
 
@@ -170,3 +174,17 @@ def test_an_ingest_message_arrives_as_its_fields_and_its_payload(message: bytes)
     assert bytes(arrived.data) == whole.data == b"payload"
     assert not arrived.chunk.data
     assert (arrived.chunk.seq, arrived.chunk.learner_id) == (3, "a")
+
+
+def test_an_update_of_more_steps_may_be_larger_and_one_of_fewer_is_held_to_the_noise_floor() -> (
+    None
+):
+    assert step_scale(10, 10) == 1.0
+    # A reply came late: 30 steps at once after 5 (what an honest learner under load sent,
+    # and the bound refused before steps counted).
+    assert step_scale(30, 5) == 6.0
+    # The update after it: 1 step after 2H - 1; its norm shrinks at most as noise does.
+    assert math.isclose(step_scale(1, 199), math.sqrt(1 / 199))
+    # A claimed step count widens the bound only so far.
+    assert step_scale(10**9, 10) == MAX_STEP_SPAN
+    assert step_scale(0, 0) == 1.0
