@@ -32,7 +32,6 @@ from learner.transport.ingest import Ingest
 from learner.transport.session import Session
 from learner.transport.values import GlobalFragment, Held, RangeValues
 from services import kernels
-from services.codec import Segment
 from services.gen.atoll.v1 import session_pb2
 from services.layout import LeafSpec
 
@@ -81,6 +80,8 @@ class SynchronizerClient:
         self.ingest = Ingest(self.channels, self.identity, self._closed, self.check)
         self.follow = Follow(self.channels, self.held, self.fetch, self.identity, self._closed)
         self.follow.enabled = not version_notices
+        # Queue one update and return its seq: the ingest's own call, its signature written once.
+        self.send_update = self.ingest.send
         self.session = Session(
             self.channels,
             self.identity,
@@ -217,42 +218,6 @@ class SynchronizerClient:
         self.session.set_owners(owners)
 
     # --- ingest ---------------------------------------------------------------------------
-    def send_update(
-        self,
-        *,
-        fragment: int,
-        payload: bytes | Sequence[Segment],
-        codec: int,
-        block_size: int,
-        num_elements: int,
-        base_version: int = 0,
-        c_steps: int = 0,
-        c_tokens: int = 0,
-        compute_seconds: float = 0.0,
-        tensor_norms: Sequence[float] = (),
-        kind: int = session_pb2.UPDATE_KIND_OUTER_GRADIENT,
-        seq: int | None = None,
-        part: int = 0,
-        parts: int = 0,
-    ) -> int:
-        """Queue one update; return its seq (learner.transport.ingest.Ingest.send)."""
-        return self.ingest.send(
-            fragment=fragment,
-            payload=payload,
-            codec=codec,
-            block_size=block_size,
-            num_elements=num_elements,
-            base_version=base_version,
-            c_steps=c_steps,
-            c_tokens=c_tokens,
-            compute_seconds=compute_seconds,
-            tensor_norms=tensor_norms,
-            kind=kind,
-            seq=seq,
-            part=part,
-            parts=parts,
-        )
-
     def send_initial(self, fragment: int, values: np.ndarray) -> int:
         """Queue a fragment of the job's initial parameters (float32, kind INITIAL)."""
         return self.ingest.send_initial(fragment, values)
