@@ -1,8 +1,10 @@
 """The built-in inner loop: a compiled step over all local devices, batches, evals, timing.
 
-It knows nothing of how bytes travel: between two steps it calls the sync engine's hook
-(`SyncEngine.after_step`, learner/sync.py), which returns the parameters with any newly
-adopted global fragment written in. Without an engine (`--standalone`) it trains alone.
+It knows nothing of how bytes travel: it calls the sync engine's hooks (learner/hooks.py:
+join, after_step, finish, done, each with what the loop knows), and `after_step` returns the
+parameters with any newly adopted global fragment written in. Its checkpoints go through the
+checkpointer it shares with the engine (learner/checkpointer.py). Without an engine
+(`--standalone`) it trains alone.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,21 +25,16 @@ import optax
 import structlog
 
 from learner import mesh as meshes
+from learner.checkpointer import Checkpointer
 from learner.data import mean_loss, windows_digest
+from learner.hooks import SyncHooks
 from learner.settings import LearnerSettings
 from learner.workload import Workload
 from services import telemetry as tm
 from services.tape import Tape
 
-if TYPE_CHECKING:
-    from learner.sync import SyncEngine
-
 log = structlog.get_logger("atoll.learner")
 EMA_DECAY = 0.9
-# At most this share of the loop's wall time has a checkpoint being taken: a checkpoint that
-# takes 3 s to write comes at most every 100 s (and never more often than
-# --checkpoint-seconds), so a large model's checkpoints never slow its steps much.
-CHECKPOINT_SHARE = 0.03
 
 
 # Steps dispatched ahead of the one whose loss the host waits for: two steps' time for a
@@ -95,6 +92,8 @@ class StepClock:
 @dataclass
 class Timeline:
     started: float = field(default_factory=time.time)
+    devices_done: float = 0.0  # when the devices were done with the last step taken
+    progress_written: float = 0.0  # when the partial summary was last written
     losses: list[tuple[float, int, int, float]] = field(default_factory=list)
     evals: list[tuple[float, int, int, float]] = field(default_factory=list)
     badput: dict[str, float] = field(default_factory=lambda: dict.fromkeys(tm.BADPUT_SOURCES, 0.0))
@@ -118,19 +117,22 @@ def adamw(settings: LearnerSettings) -> optax.GradientTransformation:
 
 
 class InnerLoop:
-    """Trains `workload` with its optimizer, calling `sync`'s hook after every step."""
+    """Trains `workload` with its optimizer, calling `sync`'s hooks after every step;
+    `checkpoints`, shared with `sync`, writes the slot's local checkpoints."""
 
     def __init__(
         self,
         settings: LearnerSettings,
         workload: Workload,
-        sync: SyncEngine | None,
+        sync: SyncHooks | None,
         tape: Tape,
         stop_requested: threading.Event,
+        checkpoints: Checkpointer | None = None,
     ) -> None:
         self.settings = settings
         self.workload = workload
         self.sync = sync
+        self.checkpoints = checkpoints
         self.tape = tape
         self.stop_requested = stop_requested
         self.incarnation = sync.incarnation if sync is not None else uuid.uuid4().hex
@@ -138,16 +140,12 @@ class InnerLoop:
         self.step = 0
         self.tokens = 0
         self.ema_step_s = 0.0
-        self._devices_done = 0.0  # when the devices were done with the last step taken
-        self.loop_steps_seen = 0
-        self.steady_steps, self.steady_seconds = 0, 0.0
+        self.steady = (0, 0.0)  # steps and seconds from the --rate-after-steps-th on
         self.loss = math.nan
         self.eval_loss = math.nan
-        self._last_checkpoint = -math.inf  # when it was taken (monotonic)
         self._position_saved = time.monotonic()
         self._placed = False  # the loop knows its place (step, data position): saving it is safe
         self._drawn_ahead = 0  # batches drawn for steps not yet run (the loop draws one ahead)
-        self._progress_written = 0.0
         self.tx = workload.optimizer if workload.optimizer is not None else adamw(settings)
         mesh = meshes.learner_mesh()
         devices = mesh.devices.size
@@ -193,37 +191,35 @@ class InnerLoop:
         self._train_step = self._train_step.lower(params, opt_state, batch).compile()
         self._badput("compile", time.monotonic() - t0)
 
-    def _start(self) -> tuple[Any, Any, bool]:
-        """Parameters (joined, or made alone), the optimizer state, whether restored."""
+    def _start(self) -> tuple[Any, Any]:
+        """Parameters (joined, or made alone; restored from the slot's checkpoint, if the
+        engine found one) and the optimizer state."""
+        self._load_position()
         if self.sync is None:
             params = jax.device_put(self.workload.initial(), self.param_shardings)
             log.info("standalone", learner=self.settings.id)
         else:
-            params = self.sync.join(self.workload.make, self.param_shardings)
+            params = self.sync.join(
+                self.workload.make, self.param_shardings, step=self.step, tokens=self.tokens
+            )
         self._compile()
-        restored = None
-        if self.sync is not None and self.settings.checkpoint_every:
-            restored = self.sync.restore(params)
+        restored = None if self.checkpoints is None else self.checkpoints.restored
         self._placed = True
         if restored is None:
-            opt_state = self._init_opt(params)
-            self._load_position()
-            return params, opt_state, False
+            return params, self._init_opt(params)
         structure = jax.tree.structure(jax.eval_shape(self.tx.init, restored.params))
         opt_state = jax.device_put(
             jax.tree.unflatten(structure, list(restored.opt_leaves)), self.opt_shardings
         )
         self.step, self.tokens = int(restored.meta["step"]), int(restored.meta["tokens"])
         self.workload.batches.position = int(restored.meta["position"])
-        return restored.params, opt_state, True
+        return restored.params, opt_state
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         start = time.monotonic()
-        params, opt_state, restored = self._start()
+        params, opt_state = self._start()
         self._badput("startup", time.monotonic() - start)
-        if self.sync is not None:
-            self.sync.joined(restored, self.step, self.tokens)
         self._compile_step(params, opt_state)
         clock = StepClock()
         try:
@@ -245,11 +241,12 @@ class InnerLoop:
         # A learner standing in for slower hardware (--speed) waits after each step; steps
         # queued ahead would run through that wait and make it faster than it stands for.
         ahead = STEPS_AHEAD if self.settings.speed >= 1.0 else 1
-        done_at = self._devices_done = time.monotonic()
+        done_at = self.timeline.devices_done = time.monotonic()
+        seen = 0  # steps this loop took
         while not self.stop_requested.is_set() and (not steps or self.step < steps):
-            if steady is None and self.loop_steps_seen >= self.settings.rate_after_steps:
+            if steady is None and seen >= self.settings.rate_after_steps:
                 steady = (self.step, time.monotonic())
-            self.loop_steps_seen += 1
+            seen += 1
             if self.sync is not None and self.sync.job_finished():
                 log.info("job_budget_reached", learner=self.settings.id, step=self.step)
                 break
@@ -270,6 +267,7 @@ class InnerLoop:
                 tokens=self.workload.tokens_per_batch,
                 seconds=seconds,
                 loss=self.loss,
+                eval_loss=self.eval_loss,
             )
             turn = self.settings.eval_every
             if turn and self.step % turn == self.settings.eval_offset % turn:
@@ -279,19 +277,17 @@ class InnerLoop:
         # and the summary's digest of what was trained leaves it out.
         self.workload.batches.position -= 1
         self._drawn_ahead = 0
+        late = 0.0  # compute of the steps taken after their hook: the final sync counts it
         while clock.in_flight:
             seconds, done_at = self._step_done(clock, done_at)
-            if self.sync is not None:
-                self.sync.count_compute(seconds)
+            late += seconds
         if steady is not None:
-            self.steady_steps = self.step - steady[0]
-            self.steady_seconds = time.monotonic() - steady[1]
+            self.steady = (self.step - steady[0], time.monotonic() - steady[1])
         if self.sync is not None:
-            params = self.sync.finish(params)
+            params = self.sync.finish(params, compute_seconds=late, eval_loss=self.eval_loss)
         self._evaluate(params)
-        if self.sync is not None:
-            self.sync.done(self.eval_loss)
-        return self.summary(params)
+        synced = {} if self.sync is None else self.sync.done(params, self.eval_loss)
+        return self.summary(params, synced)
 
     def _next_batch(self) -> jax.Array:
         """The next batch, on its way to the devices (the copy does not block)."""
@@ -310,8 +306,8 @@ class InnerLoop:
         later = clock.in_flight
         self.loss = float(loss)
         # What the devices spent on it: from when they could start it to when they were done.
-        seconds = max(0.0, done - max(self._devices_done, dispatched))
-        self._devices_done = done
+        seconds = max(0.0, done - max(self.timeline.devices_done, dispatched))
+        self.timeline.devices_done = done
         if self.settings.speed < 1.0:  # stand-in for slower hardware: 1/speed times as long
             seconds /= self.settings.speed
             done = max(since, dispatched) + seconds
@@ -338,24 +334,13 @@ class InnerLoop:
         """A checkpoint every --checkpoint-every steps, at most one per
         --checkpoint-seconds, never queued behind one still being written; without
         checkpoints, the read position every --heartbeat-s."""
-        assert self.sync is not None
-        s = self.settings
-        if not s.checkpoint_every:
-            if time.monotonic() - self._position_saved >= s.heartbeat_s:
+        if not self.settings.checkpoint_every:
+            if time.monotonic() - self._position_saved >= self.settings.heartbeat_s:
                 self.save_position()
             return
-        due = s.state_dir is not None and self.step % s.checkpoint_every == 0
-        if not due or not self.sync.checkpoint_ready():
-            return
-        now = time.monotonic()
-        # Checkpoints come no more often than keeps their share of the loop's time within
-        # CHECKPOINT_SHARE, by what the last one took to write, as the writer measured it (the
-        # time until the loop next looked was a whole step: one checkpoint per 33 steps).
-        spacing = max(s.checkpoint_seconds, self.sync.checkpoint_write_s / CHECKPOINT_SHARE)
-        if now - self._last_checkpoint >= spacing:
-            self._last_checkpoint = now
+        if self.checkpoints is not None and self.checkpoints.due(self.step):
             meta = {"step": self.step, "tokens": self.tokens, "position": self.trained_position}
-            self.sync.checkpoint(params, opt_state, meta)
+            self.checkpoints.write(params, opt_state, meta)
 
     def _evaluate(self, params: Any) -> None:
         """Eval loss of the global model as this learner last saw it (standalone: its own)."""
@@ -365,8 +350,6 @@ class InnerLoop:
             lambda b: float(self._eval_loss(params, self._eval_batch(b))),
             self.workload.eval_batches,
         )
-        if self.sync is not None:
-            self.sync.eval_loss = self.eval_loss
         tm.LEARNER_EVAL_LOSS.set(self.eval_loss)
         self.timeline.evals.append((self.timeline.now(), self.step, self.tokens, self.eval_loss))
 
@@ -386,9 +369,9 @@ class InnerLoop:
         summary replaces it)."""
         if self.settings.report is None:
             return
-        if time.monotonic() - self._progress_written < PROGRESS_EVERY_S:
+        if time.monotonic() - self.timeline.progress_written < PROGRESS_EVERY_S:
             return  # the file grows with the run: rewrite it now and then, not every point
-        self._progress_written = time.monotonic()
+        self.timeline.progress_written = time.monotonic()
         progress = {
             "learner": self.settings.id,
             "incarnation": self.incarnation,
@@ -407,11 +390,10 @@ class InnerLoop:
         tmp.write_text(json.dumps(progress))
         tmp.replace(path)
 
-    def summary(self, params: Any) -> dict[str, Any]:
-        synced = self.sync.summary(params) if self.sync is not None else {}
-        badput = dict(self.timeline.badput)
-        if self.sync is not None:
-            badput = {k: v + self.sync.badput[k] for k, v in badput.items()}
+    def summary(self, params: Any, synced: dict[str, Any]) -> dict[str, Any]:
+        """This incarnation's report; `synced`: the sync engine's summary ({} alone)."""
+        engine_badput = synced.get("badput", {})
+        badput = {k: v + engine_badput.get(k, 0.0) for k, v in self.timeline.badput.items()}
         wall = time.time() - self.timeline.started
         return {
             "learner": self.settings.id,
@@ -422,7 +404,7 @@ class InnerLoop:
             "wall_seconds": round(wall, 3),
             "started_at": self.timeline.started,
             "step_time_ema_s": self.ema_step_s,
-            "steady": {"steps": self.steady_steps, "seconds": round(self.steady_seconds, 6)},
+            "steady": {"steps": self.steady[0], "seconds": round(self.steady[1], 6)},
             "loss": {
                 "initial": self.timeline.losses[0][3] if self.timeline.losses else None,
                 "final": self.loss,

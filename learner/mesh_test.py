@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(
     s = LearnerSettings(standalone=True, steps=3, layers=1, width=32, heads=2, context=16,
                         batch_size=4, eval_every=0, eval_batches=1)
     loop = InnerLoop(s, load(s), None, Tape(None, "t"), threading.Event())
-    params, opt_state, _ = loop._start()
+    params, opt_state = loop._start()
     loop._compile_step(params, opt_state)
     params, opt_state, loss = loop._train_step(params, opt_state, loop._next_batch())
     qkv = params["blocks/0/attn/qkv"]

@@ -1,5 +1,7 @@
 """`atoll learner`'s learner: the built-in inner loop (learner/loop.py) joined to the sync
-engine (learner/sync.py) by its one hook, or the loop alone with `--standalone`."""
+engine (learner/sync.py) by its hooks, the engine given its fragment I/O (whole fragments,
+or this process's ranges of a learner of several) and both the slot's checkpointer; or the
+loop alone with `--standalone`."""
 
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ from typing import Any
 
 import structlog
 
+from learner.checkpointer import Checkpointer
 from learner.group import Group
 from learner.loop import InnerLoop
+from learner.process_ranges import ProcessRanges
 from learner.settings import LearnerSettings
-from learner.sharded import ShardedSyncEngine
 from learner.sync import SyncEngine
+from learner.whole_fragments import WholeFragments
 from learner.workload import Workload
 from services import telemetry as tm
 from services.lifecycle import PARENT_ENV
@@ -33,28 +37,36 @@ class Learner:
         self.stop_requested = threading.Event()
         self.tape = Tape(settings.tape, settings.id)
         self.sync: SyncEngine | None = None
+        checkpoints = None
         stopping = self.stop_requested
         if group is not None and group.many:
             # One process of several: the loop stops when the leader says (a tick), never
             # on a signal one process got alone.
-            sharded = ShardedSyncEngine(
-                settings,
-                workload.shapes(),
-                group,
-                tokens_per_step=workload.tokens_per_batch,
-                tape=self.tape,
-                stop_requested=self.stop_requested,
-            )
-            self.sync, stopping = sharded, sharded.stopping
+            ranges = ProcessRanges(group)
+            self.sync = self._engine(settings, workload, ranges, None)
+            stopping = ranges.stopping
         elif not settings.standalone:
-            self.sync = SyncEngine(
-                settings,
-                workload.shapes(),
-                tokens_per_step=workload.tokens_per_batch,
-                tape=self.tape,
-                stop_requested=self.stop_requested,
-            )
-        self.loop = InnerLoop(settings, workload, self.sync, self.tape, stopping)
+            checkpoints = Checkpointer(settings)
+            whole = WholeFragments(checkpoints)
+            self.sync = self._engine(settings, workload, whole, checkpoints)
+        self.loop = InnerLoop(settings, workload, self.sync, self.tape, stopping, checkpoints)
+
+    def _engine(
+        self,
+        settings: LearnerSettings,
+        workload: Workload,
+        fragment_io: WholeFragments | ProcessRanges,
+        checkpoints: Checkpointer | None,
+    ) -> SyncEngine:
+        return SyncEngine(
+            settings,
+            workload.shapes(),
+            tokens_per_step=workload.tokens_per_batch,
+            fragment_io=fragment_io,
+            checkpoints=checkpoints,
+            tape=self.tape,
+            stop_requested=self.stop_requested,
+        )
 
     def run(self) -> dict[str, Any]:
         return self.loop.run()

@@ -99,7 +99,7 @@ def test_a_replica_killed_mid_run_loses_nothing_and_commits_each_round_once(
                 o.received_epoch,
                 f"{c.learner_id}/{c.incarnation}/{o.seq}" in merged,
             )
-            for o in c._unacked.values()
+            for o in c.ingest.kept()
         ]
         for c in clients
     ]
@@ -111,10 +111,10 @@ def test_a_replica_killed_mid_run_loses_nothing_and_commits_each_round_once(
     final = {p: support.version(r, p) for p in range(FRAGMENTS)}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(
-        c._canonical.get(p, (-1,))[0] != v for c in clients[2:] for p, v in final.items()
+        c.held.versions().get(p, -1) != v for c in clients[2:] for p, v in final.items()
     ):
         time.sleep(0.1)
-    assert [{p: c._canonical.get(p, (-1,))[0] for p in final} for c in clients[2:]] == [final] * 2
+    assert [{p: c.held.versions().get(p, -1) for p in final} for c in clients[2:]] == [final] * 2
     for c in clients:
         c.close()
 

@@ -1,7 +1,9 @@
-"""docs/learner.md's own-loop example, run as written against a real Redis and synchronizer."""
+"""docs/learner.md's own-loop example, run as written against a real Redis and synchronizer;
+it uses only what `learner` names as its public face."""
 
 from __future__ import annotations
 
+import ast
 import re
 import threading
 from pathlib import Path
@@ -11,6 +13,7 @@ import jax
 import numpy as np
 import redis
 
+import learner as learner_package
 from cluster.redis_server import RedisServer
 from learner.settings import LearnerSettings
 from tests import support
@@ -19,14 +22,30 @@ from tests.conftest import SpawnSynchronizer
 DOC = Path(__file__).resolve().parents[1] / "docs" / "learner.md"
 
 
+def source() -> str:
+    """The doc's example as written."""
+    code = re.search(r"## Your own training loop.*?```python\n(.*?)```", DOC.read_text(), re.S)
+    assert code is not None, "docs/learner.md lost its own-loop example"
+    return code.group(1)
+
+
 def example() -> dict[str, Any]:
     """The namespace of the doc's example (its functions), without its `__main__` part."""
-    text = DOC.read_text()
-    code = re.search(r"## Your own training loop.*?```python\n(.*?)```", text, re.S)
-    assert code is not None, "docs/learner.md lost its own-loop example"
     namespace: dict[str, Any] = {"__name__": "own_loop_example"}
-    exec(compile(code.group(1), str(DOC), "exec"), namespace)
+    exec(compile(source(), str(DOC), "exec"), namespace)
     return namespace
+
+
+def test_the_docs_own_loop_imports_only_the_learner_s_public_names() -> None:
+    taken = []
+    for node in ast.walk(ast.parse(source())):
+        if isinstance(node, ast.Import):
+            assert not any(a.name.startswith("learner") for a in node.names), ast.unparse(node)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("learner"):
+            assert node.module == "learner", ast.unparse(node)
+            taken += [a.name for a in node.names]
+    assert taken, "the example no longer imports from learner"
+    assert set(taken) <= set(learner_package.__all__), taken
 
 
 def test_the_docs_own_loop_joins_syncs_and_ends_on_the_global_model(

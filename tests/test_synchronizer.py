@@ -614,11 +614,11 @@ def test_learners_rebuild_every_global_version_bit_for_bit_from_compressed_delta
         final = {p: support.version(r, p) for p in range(2)}
         for c in (c0, c1):
             wait_until(
-                lambda c=c: all(c._canonical.get(p, (-1,))[0] == final[p] for p in range(2)),
+                lambda c=c: all(c.held.versions().get(p, -1) == final[p] for p in range(2)),
                 what="every version to reach the learner",
             )
             for p in range(2):
-                held = c._canonical[p][1]
+                held = c.held.values[p][1]
                 value = inspect.global_value(r, "default", p, str(sync.log_path.parent / "tensors"))
                 theta = np.frombuffer(value, "<f4")  # type: ignore[arg-type]
                 assert held.tobytes() == theta.tobytes(), (p, downlink, np.abs(held - theta).max())
