@@ -16,6 +16,7 @@ compute is lost.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -110,6 +111,9 @@ class FragmentState:
     # The fragment as the in-flight update took it: on the host, or left on the device
     # (np.asarray brings it over).
     sent_theta: npt.ArrayLike | None = None
+    # A hostile learner's corruption of each update (delta, anchor -> what it sends); the
+    # defences' tests only (learner/hostile.py).
+    hostile: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -133,7 +137,10 @@ class FragmentState:
         """The outer gradient base - theta, encoded with error feedback (any thread; one at a
         time per fragment, as the residual carries over)."""
         self.sent_theta = theta
-        return self.feedback.encode((send.base - theta).astype(np.float32))
+        delta = (send.base - theta).astype(np.float32)
+        if self.hostile is not None:
+            delta = self.hostile(delta, send.base)
+        return self.feedback.encode(delta)
 
     def receive(self, value: np.ndarray, version: int) -> bool:
         """A global value arrived; return True if it is the reply to adopt now."""

@@ -7,9 +7,10 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from learner.data import MAX_CORPUS_BYTES, DataSplit
+from learner.hostile import Hostility
 from services.config import AtollSettings
 
 
@@ -178,6 +179,12 @@ class LearnerSettings(ModelConfig, AtollSettings):
     standalone: bool = Field(
         False, description="train without a synchronizer (the baseline of `bench overlap`)"
     )
+    hostile: Hostility | None = Field(
+        None,
+        description="for the defences' tests and `atoll bench byzantine`, never a real job: "
+        "train as usual and corrupt every update sent (sign-flip, x100, random: noise of the "
+        "update's norm, replace: 0.99 times the fragment; learner/hostile.py)",
+    )
     linger_s: float = Field(
         0.0,
         ge=0.0,
@@ -226,6 +233,12 @@ class LearnerSettings(ModelConfig, AtollSettings):
         description="folder for JAX's persistent compilation cache: a restarted learner loads "
         "its compiled step from here instead of compiling again",
     )
+
+    @model_validator(mode="after")
+    def _one_process_if_hostile(self) -> LearnerSettings:
+        if self.hostile is not None and self.processes > 1:
+            raise ValueError("--hostile corrupts a learner of one process; drop --processes")
+        return self
 
 
 def data_shard(settings: LearnerSettings) -> int:

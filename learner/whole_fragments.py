@@ -16,6 +16,7 @@ fragment, and moving a restored fragment onto the job's current value.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -33,6 +34,7 @@ from learner import device_codec
 from learner.checkpointer import Checkpointer, Restored, device_copy
 from learner.client import GlobalFragment
 from learner.fragment_io import Joined, Link, Outgoing
+from learner.hostile import corrupt
 from learner.outer import OuterState, Send
 from learner.workload import FlatParams
 from services import codec as codecs
@@ -74,6 +76,9 @@ class WholeFragments:
         cfg = self.config = welcome.config
         self.layout: FragmentLayout = fragment_layout(link.specs, cfg.fragments)
         codec = codecs.by_wire(cfg.codec)
+        hostile = link.settings.hostile
+        # A hostile learner (the defences' tests) corrupts its updates on the host.
+        on_device = device_codec.supports(codec) and hostile is None
         # Fragments still at the value this learner initialized (same model and seed) are
         # not sent again: only their checksums travel. Once the job has moved on, this
         # learner's initial values can match nothing: they are not even made.
@@ -105,19 +110,20 @@ class WholeFragments:
             cfg.block_size,
             keep_progress=cfg.keep_overlap_progress,
             tensor_sizes=[tuple(leaf.size for leaf in f.leaves) for f in self.layout.fragments],
-            feedback=(
-                device_codec.DeviceFeedback
-                if device_codec.supports(codec)
-                else codecs.ErrorFeedback
-            ),
+            feedback=device_codec.DeviceFeedback if on_device else codecs.ErrorFeedback,
         )
+        if hostile is not None:
+            rng = np.random.default_rng([link.settings.seed, link.settings.shard, 0xBAD])
+            for f in self.outer.fragments:
+                f.hostile = functools.partial(corrupt, hostile, rng=rng)
+            log.warning("hostile_learner", kind=hostile, hint="for the defences' tests only")
         values: dict[str, np.ndarray] = {}
         for g in globals_:
             values.update(self.layout.scatter(g.fragment, g.values))
         params = jax.device_put(link.named.unflatten(values), sharding)  # type: ignore[arg-type]
         placed = link.named.flatten(params)
         self._shardings = {n: leaf.sharding for n, leaf in placed.items()}
-        if device_codec.supports(codec):
+        if on_device:
             self._anchors = {}
             for p, f in enumerate(self.outer.fragments):
                 # Copies (the loop may donate the parameters); the send's copy, the rebase
