@@ -142,6 +142,7 @@ class Launcher:
             str(self.settings.log_every),
             *metrics_args,
             *self.processes_args(),
+            *(["--hostile", self.settings.hostile[name]] if name in self.settings.hostile else []),
         )
         env = child_env(self.settings.threads, self.devices(i), accelerators=True)
         if self.regions is not None:

@@ -9,6 +9,7 @@ from pydantic import Field
 from cluster import regions
 from cluster.chaos import ChaosError, parse
 from cluster.scale import parse_scale
+from learner.hostile import Hostility
 from learner.settings import ModelConfig
 from services.config import AtollSettings, JobConfig
 
@@ -130,6 +131,13 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         "every --eval-every steps (else once, at the end), fp32 both ways, outer lr 1 and no "
         "momentum (the identity: the global model evaluated is the learner's own)",
     )
+    hostile: dict[str, Hostility] = Field(
+        default_factory=dict,
+        description="for the defences' tests and `atoll bench byzantine`, never a real job: "
+        'learner slots that attack the job, \'{"learner-3": "x100"}\' (each trains as '
+        "usual and corrupts every update it sends: sign-flip, x100, random or replace; "
+        "learner/hostile.py)",
+    )
     chaos: str = Field(
         "",
         description="faults to inject, 'KIND:key=value,...;...' with KIND learner-kill (mtbf, "
@@ -151,6 +159,15 @@ def refused(settings: UpSettings) -> str | None:
             parse_scale(settings.scale)
     except ChaosError as err:
         return str(err)
+    slots = {f"learner-{i}" for i in range(settings.learners)}
+    unknown = sorted(set(settings.hostile) - slots)
+    if unknown:
+        return (
+            f"--hostile names {', '.join(unknown)}, not a learner slot of this run "
+            f"(learner-0 .. learner-{settings.learners - 1})"
+        )
+    if settings.hostile and settings.processes_per_learner > 1:
+        return "--hostile learners run as one process each; drop --processes-per-learner"
     if settings.redis_url and "redis-restart" in (settings.chaos or ""):
         return "redis-restart needs the Redis atoll up starts; drop --redis-url"
     if settings.regions:
