@@ -14,6 +14,7 @@ from pydantic import Field
 from pydantic_settings import CliApp, CliSubCommand
 
 from bench.bandwidth import BandwidthBench
+from bench.byzantine import ByzantineBench
 from bench.codec_speed import CodecSpeedBench
 from bench.codecs import CodecsBench
 from bench.goodput import GoodputBench
@@ -47,6 +48,10 @@ class BenchCommand(AtollSettings):
     wan: CliSubCommand[WanBench] = Field(
         description="across regions on this machine (root): data-parallel, decoupled and "
         "sync over the same shaped links"
+    )
+    byzantine: CliSubCommand[ByzantineBench] = Field(
+        description="the final eval loss with one hostile learner of M, and a colluding pair, "
+        "against the all-honest run of the same seeds"
     )
     hetero: CliSubCommand[HeteroBench] = Field(
         description="one learner 4x slower against all at full speed, same wall clock"
