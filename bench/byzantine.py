@@ -110,6 +110,7 @@ def flags(settings: ByzantineBench, seed: int, hostile: dict[str, str]) -> list[
         str(settings.inner_steps),
         "--mode",
         "decoupled",
+        "--no-shared-budget",  # each learner exactly --steps: equal tokens in every run
         "--codec",
         settings.codec,
         "--downlink-codec",
