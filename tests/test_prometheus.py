@@ -246,7 +246,7 @@ def test_prometheus_tells_the_truth_about_a_run_with_faults(tmp_path: Path) -> N
                 "--synchronizers",
                 "2",
                 "--steps",
-                "200",
+                "400",  # the run must outlast the replica's kill at 8 s (200 steps ended first)
                 "--inner-steps",
                 "30",
                 "--fragments",
