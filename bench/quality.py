@@ -102,7 +102,7 @@ class QualityBench(Model, Output):
     )
     outer_lr: float | None = Field(None, gt=0.0, description="outer lr; unset: the job's")
     quorum: int | None = Field(
-        None, ge=1, description="K of the decoupled runs; unset: the job's (1)"
+        None, ge=1, description="K of the decoupled runs; unset: the job's (every live learner)"
     )
     outer_momentum: float | None = Field(
         None, ge=0.0, lt=1.0, description="outer Nesterov momentum; unset: the job's"
