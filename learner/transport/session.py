@@ -14,10 +14,11 @@ good; hands on owner maps (to ingest and follow), acks (to ingest) and values (t
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import structlog
@@ -36,6 +37,11 @@ log = structlog.get_logger("atoll.learner.client")
 # How soon a slot told its session is live elsewhere asks again (`_run`).
 BUSY_RETRY_S = 1.0
 WAITING_LOG_S = 30.0  # how often a learner waiting for its first session says so
+# A session the learner has said nothing on for this long says its last heartbeat again, so
+# its lease (10 s by default) outlives a slow join: making and sending the first values, or
+# reading a large corpus, took longer than a lease on busy cores, and the first values were
+# then refused for want of a live session, again and again.
+KEEPALIVE_S = 2.0
 
 # What the session's stream sends: a message, or one already serialized.
 Outbound = session_pb2.LearnerMessage | bytes
@@ -66,6 +72,7 @@ class Session:
         self.job_status: session_pb2.JobStatus | None = None  # newest, when the job has a budget
         self.owners: dict[int, session_pb2.FragmentOwner] = {}
         self.step = 0
+        self._last_heartbeat: session_pb2.Heartbeat | None = None
         self._away_since: float | None = time.monotonic()  # no session since then
         self._outbox: queue.Queue[Outbound | None] | None = None
         self._connected = threading.Event()
@@ -112,6 +119,7 @@ class Session:
     def heartbeat(self, step: int, heartbeat: session_pb2.Heartbeat) -> None:
         """Say where the learner stands, if the session is up (else the next one will)."""
         self.step = step
+        self._last_heartbeat = heartbeat
         outbox = self._outbox
         if outbox is not None and self._connected.is_set():
             outbox.put(session_pb2.LearnerMessage(heartbeat=heartbeat))
@@ -128,6 +136,14 @@ class Session:
         return self.job_status is not None and self.job_status.finish
 
     # --- the session thread ---------------------------------------------------------------
+    def _keepalive(self) -> session_pb2.LearnerMessage:
+        """The last heartbeat again (before the first: the step said hello with, losses not
+        known yet), which renews the lease and changes nothing else."""
+        last = self._last_heartbeat
+        if last is None:
+            last = session_pb2.Heartbeat(step=self.step, loss=math.nan, eval_loss=math.nan)
+        return session_pb2.LearnerMessage(heartbeat=last)
+
     def _hello(self) -> session_pb2.LearnerMessage:
         return session_pb2.LearnerMessage(
             hello=session_pb2.Hello(
@@ -192,7 +208,7 @@ class Session:
         outbox: queue.Queue[Outbound | None] = queue.Queue()
         outbox.put(self._hello())
         self._outbox = outbox
-        responses = session(_requests(outbox), metadata=self.channels.metadata)
+        responses = session(_requests(outbox, self._keepalive), metadata=self.channels.metadata)
         try:
             for message in responses:
                 kind = message.WhichOneof("kind")
@@ -238,9 +254,17 @@ class Session:
         self._connected.set()
 
 
-def _requests(outbox: queue.Queue[Outbound | None]) -> Iterator[Outbound]:
+def _requests(
+    outbox: queue.Queue[Outbound | None], keepalive: Callable[[], Outbound]
+) -> Iterator[Outbound]:
+    """What the session sends: the outbox's messages, and a keepalive whenever it has been
+    quiet for KEEPALIVE_S."""
     while True:
-        message = outbox.get()
+        try:
+            message = outbox.get(timeout=KEEPALIVE_S)
+        except queue.Empty:
+            yield keepalive()
+            continue
         if message is None:
             return
         yield message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -12,6 +13,7 @@ from learner.transport.calls import Channels, Identity, SessionError
 from learner.transport.fetch import Fetch
 from learner.transport.follow import Follow
 from learner.transport.ingest import Ingest
+from learner.transport import session as module
 from learner.transport.session import Session
 from learner.transport.values import Held
 from services.gen.atoll.v1 import session_pb2
@@ -60,3 +62,23 @@ def test_no_answer_for_longer_than_give_up_s_is_a_session_error() -> None:
     time.sleep(0.1)
     with pytest.raises(SessionError, match="no synchronizer answered"):
         s.check()
+
+
+def test_a_quiet_session_says_its_last_heartbeat_again_so_its_lease_outlives_a_slow_join(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(module, "KEEPALIVE_S", 0.05)
+    s = session()
+    outbox: queue.Queue[module.Outbound | None] = queue.Queue()
+    sent = module._requests(outbox, s._keepalive)
+    first = next(sent)  # nothing said yet: the hello's step, losses unknown
+    assert isinstance(first, session_pb2.LearnerMessage)
+    assert first.heartbeat.step == 0
+    assert np.isnan(first.heartbeat.loss)
+    beat = session_pb2.Heartbeat(step=7, step_time_ema_s=0.1, loss=2.5, eval_loss=3.0)
+    s.heartbeat(7, beat)  # not connected: kept, not queued
+    again = next(sent)
+    assert isinstance(again, session_pb2.LearnerMessage)
+    assert again.heartbeat == beat
+    outbox.put(None)
+    assert list(sent) == []
