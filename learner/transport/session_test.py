@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 
+from learner.transport import session as module
 from learner.transport.calls import Channels, Identity, SessionError
 from learner.transport.fetch import Fetch
 from learner.transport.follow import Follow
 from learner.transport.ingest import Ingest
-from learner.transport import session as module
 from learner.transport.session import Session
 from learner.transport.values import Held
 from services.gen.atoll.v1 import session_pb2
