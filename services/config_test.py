@@ -45,25 +45,6 @@ def test_the_config_goes_to_the_proto_and_back() -> None:
     assert job_config_to_proto(back) == message
 
 
-def test_it_is_the_message_the_synchronizer_wrote_field_by_field() -> None:
-    cfg = CONFIG
-    by_hand = session_pb2.JobConfig(
-        job=cfg.job,
-        mode=cfg.mode,
-        fragments=cfg.fragments,
-        inner_steps=cfg.inner_steps,
-        overlap_steps=cfg.overlap_steps,
-        codec=codecs.by_name(cfg.codec).wire,  # type: ignore[arg-type]
-        block_size=cfg.block_size,
-        merge_alpha=cfg.merge_alpha,
-        max_staleness=cfg.max_staleness,
-        max_chunk_bytes=cfg.max_chunk_bytes,
-        job_steps=cfg.job_steps,
-        keep_overlap_progress=cfg.keep_overlap_progress,
-    )
-    assert job_config_to_proto(cfg) == by_hand
-
-
 def test_a_codec_alias_comes_back_as_the_codec_it_names() -> None:
     back = job_config_from_proto(job_config_to_proto(JobConfig(codec="int4")))
     assert codecs.by_name(back.codec) is codecs.by_name("int4")

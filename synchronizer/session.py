@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from services import codec as codecs
 from services import telemetry as tm
-from services.config import SynchronizerSettings
+from services.config import SynchronizerSettings, job_config_to_proto
 from services.gen.atoll.v1 import fragment_pb2, session_pb2
 from services.layout import FragmentLayout, LayoutError, LeafSpec, fragment_layout
 from services.outage import OutageLog, every
@@ -329,20 +328,7 @@ class Sessions:
         welcome = session_pb2.Welcome()
         welcome.CopyFrom(await self._welcome_params(spec_json))
         details = session_pb2.Welcome(
-            config=session_pb2.JobConfig(
-                job=cfg.job,
-                mode=cfg.mode,
-                fragments=cfg.fragments,
-                inner_steps=cfg.inner_steps,
-                overlap_steps=cfg.overlap_steps,
-                codec=codecs.by_name(cfg.codec).wire,  # type: ignore[arg-type]
-                block_size=cfg.block_size,
-                merge_alpha=cfg.merge_alpha,
-                max_staleness=cfg.max_staleness,
-                max_chunk_bytes=cfg.max_chunk_bytes,
-                job_steps=cfg.job_steps,
-                keep_overlap_progress=cfg.keep_overlap_progress,
-            ),
+            config=job_config_to_proto(cfg),
             versions=versions,
             initialized=initialized,
             synchronizer_id=cfg.replica_id,
