@@ -26,6 +26,7 @@ WHOLE_CLUSTERS = frozenset(
         "test_bench_synchronizer",
         "test_command_line",
         "test_containers",
+        "test_export",
         "test_faults",
         "test_learner_restart",
         "test_multiprocess_learner",
@@ -36,9 +37,6 @@ WHOLE_CLUSTERS = frozenset(
         "test_up",
     }
 )
-# Not among them, though it trains: the export test (about 60 s) times nothing, and the
-# other worker has the time to spare (this worker ran about 1,500 s). The quality bench's
-# smoke run (210 s alone) stays here: beside another cluster it outran the 300 s limit.
 WHOLE_CLUSTERS_SCOPE = "whole clusters"
 
 
