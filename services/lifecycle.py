@@ -50,7 +50,7 @@ def watch_parent(
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
-SERVICE_ARENAS = 4
+SERVICE_ARENAS = 1
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest allowed value
 TRIM_THRESHOLD_BYTES = 512 << 20
 
@@ -94,10 +94,12 @@ def reuse_large_buffers() -> bool:
 def limit_heap_arenas(arenas: int = SERVICE_ARENAS) -> bool:
     """Cap glibc's heap arenas (its default is eight per core, one for each thread that
     allocates while another holds an arena). A service's many gRPC threads each kept an arena
-    of their own, and what a flood of requests freed in them stayed mapped: 520 MiB of
-    unauthenticated requests left a replica 54-115 MB larger with the default, -6 to +2 MB
-    with four or two arenas (tests/test_hostile.py measures it). Call it before the service
-    starts its threads. False off glibc."""
+    of their own, and what a flood of requests freed there stayed, fragmented past what
+    `malloc_trim` gives back: after 520 MiB of unauthenticated requests a replica stayed 54-115
+    MB larger with the default, 14-33 MB with four or two arenas (up to 66 MB on a loaded CI
+    machine), -1 to +6 MB with one (tests/test_hostile.py measures it). One arena costs
+    ingest nothing measurable (docs/BENCHMARKS.md): the replica's work runs on one event loop.
+    Call it before the service starts its threads. False off glibc."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

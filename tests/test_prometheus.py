@@ -44,7 +44,11 @@ FOR_CUT = 120  # `for: 15m` waits 7.5 s here
 FOR_FLOOR_S = 10
 AFTER_S = 15.0  # watched once the run is over: past the floor, and past the targets' removal
 RECONNECT_S = 3  # a learner's new session, once its old one's lease lapsed (see below)
-SETTLE_S = 4.0  # alerts of the run itself (its goodput) resolve once its series go stale
+# Alerts firing when the run ends (its goodput; the killed replica's, where a fast machine ends
+# the run before the replica is back) resolve once the emptied targets file takes effect:
+# file_sd reads it within its 1 s refresh, Prometheus applies target changes at most every
+# 5 s, and the rules' next evaluation then sees the series gone.
+SETTLE_S = 8.0
 
 
 def cut_for(rules: str) -> str:
