@@ -119,12 +119,14 @@ def flags(settings: ByzantineBench, seed: int, hostile: dict[str, str]) -> list[
     ]
 
 
-def clipped(report: dict[str, Any]) -> dict[str, int]:
-    """Per learner, how many of its merged updates were clipped (scaled down to the bound)."""
+def clipped(report: dict[str, Any], dropped: bool = False) -> dict[str, int]:
+    """Per learner, how many of its merged updates were clipped (scaled down to the bound);
+    with `dropped`, how many merged at no weight instead (pointing against the fragment's
+    last merged outer gradient: clip 0)."""
     out: dict[str, int] = {}
     for commit in report["commits"]:
         for who, clip in zip(commit.get("learners") or [], commit.get("clips") or [], strict=False):
-            if float(clip) < 1.0:
+            if (float(clip) == 0.0) if dropped else (0.0 < float(clip) < 1.0):
                 out[who] = out.get(who, 0) + 1
     return out
 
@@ -144,6 +146,10 @@ def result(settings: ByzantineBench, runs: dict[str, dict[str, Any]]) -> dict[st
             "finite": all(math.isfinite(x) for x in losses),
             "goodput": round(mean(float(r["goodput"]) for r in mine), 4),
             "bytes": round(mean(float(r["bytes"]) for r in mine)),
+            "dropped": {
+                who: sum(r["dropped"].get(who, 0) for r in mine)
+                for who in sorted({w for r in mine for w in r["dropped"]})
+            },
             "clipped": {
                 who: sum(r["clipped"].get(who, 0) for r in mine)
                 for who in sorted({w for r in mine for w in r["clipped"]})
@@ -191,6 +197,7 @@ def run(settings: ByzantineBench) -> None:
                     "seed": seed,
                     "hostile": hostile,
                     "clipped": clipped(report),
+                    "dropped": clipped(report, dropped=True),
                 }
                 print(f"{name}: eval loss {report['eval_loss']:.4f}", flush=True)
                 write(result(settings, runs), settings.json_path)

@@ -202,7 +202,15 @@ def build_report(
         "commits": [
             {
                 k: e.get(k)
-                for k in ("fragment", "version", "learners", "clips", "scale", "committed_at")
+                for k in (
+                    "fragment",
+                    "version",
+                    "learners",
+                    "clips",
+                    "agreements",
+                    "scale",
+                    "committed_at",
+                )
             }
             for log in commit_logs
             for e in log

@@ -186,6 +186,16 @@ class JobConfig(BaseModel):
         "that norm before it merges, not refused; colluding slots short of a majority of "
         "those with history cannot move the median",
     )
+    min_update_agreement: float = Field(
+        0.0,
+        ge=-1.0,
+        le=1.0,
+        description="an update whose values point against the fragment's last merged outer "
+        "gradient (its agreement: the share of its L1 mass on values whose sign matches that "
+        "gradient's, minus the share on those that do not, on a random sample of its chunks "
+        "drawn once it is whole) below this is merged at no weight, as if it were not sent: "
+        "a sign-flipped update from a hostile slot steers nothing (-1 turns the check off)",
+    )
     warmup_update_rms: float = Field(
         0.05,
         gt=0.0,

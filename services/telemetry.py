@@ -211,6 +211,12 @@ FOLLOWERS = Gauge(
 UPDATES_ACCEPTED = Counter(
     "atoll_updates_accepted_total", "Outer-gradient updates accepted", registry=_S
 )
+UPDATES_DROPPED = Counter(
+    "atoll_updates_dropped_total",
+    "Updates recorded but merged at no weight: their values point against the fragment's "
+    "last merged outer gradient (--min-update-agreement)",
+    registry=_S,
+)
 UPDATES_DUPLICATE = Counter(
     "atoll_updates_duplicate_total",
     "Retried updates acknowledged without being applied again",

@@ -86,6 +86,10 @@ class FragmentState:
         self.theta_norm = 0.0
         self.state: list[np.ndarray] = []
         self.residual = np.zeros(0, np.float32)
+        # The sign of the last outer gradient this owner merged, True where positive: what
+        # an update's direction is checked against (`RoundSums.agreement`). None until this
+        # owner's first merge of the fragment (a new owner checks nothing before it).
+        self.direction: np.ndarray | None = None
         self.t_sync_s = 0.0  # the EMA of a merge's time, sealing to commit
         self._gc: asyncio.Task[None] | None = None
 
@@ -130,9 +134,17 @@ class FragmentState:
         )
 
         factor = sealed.gradient_factor(scale)
+        # A round whose every member was dropped (sum zero) leaves the direction as it was.
+        direction = None
+        if sealed.weight > 0.0:
+            if self.direction is None or self.direction.size != self.size:
+                self.direction = np.zeros(self.size, np.bool_)
+            direction = self.direction
 
         def one(start: int) -> codecs.Segment:
             s = slice(start, min(self.size, start + step))
+            if direction is not None:  # the weights are positive: the sum's signs are its
+                np.greater(sealed.total[s], 0.0, out=direction[s])
             if factor is not None:
                 data = fused_step(
                     sealed.total[s],
@@ -194,6 +206,7 @@ class FragmentState:
             "learners": [u.learner for u in updates],
             "weights": [u.weight for u in updates],
             "clips": [u.clip for u in updates],
+            "agreements": [u.agreement for u in updates],
             "scale": scale,
             "base_versions": [u.base_version for u in updates],
             "replica": self.replica,

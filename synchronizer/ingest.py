@@ -328,6 +328,7 @@ class Ingest:
         try:
             update = begin_update(owner, codec, first, list(first.tensor_norms))
         except Rejection as rejection:
+            owner.refused(first.learner_id, rejection.reason)
             return await self._refuse(first, rejection)
         summing = Summing()
         clock = time.perf_counter
@@ -357,6 +358,7 @@ class Ingest:
         except Rejection as rejection:
             await summing.drain()
             await owner.abandon(update)
+            owner.refused(first.learner_id, rejection.reason)
             return await self._refuse(first, rejection)
         except BaseException:
             await summing.drain()

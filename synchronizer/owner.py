@@ -99,6 +99,10 @@ class FragmentOwner:
         )
         # Whose idempotency records of this fragment each slot's are, as last recorded here.
         self.holders: dict[str, str] = {}
+        # Slots whose last update of the fragment was refused for its norm: in a round's step
+        # they stand for nothing (`merge`), so a slot refused again and again cuts no honest
+        # learner's step. An update of theirs received takes them out again.
+        self.refused_for_norm: set[str] = set()
         self.open: OpenRound[Update] = OpenRound()  # received, and streaming in
         self.times = RoundTimes(time.monotonic())
         self.lost = False
@@ -233,8 +237,11 @@ class FragmentOwner:
 
     async def _receive(self, update: Update, checksum: int) -> tuple[str, int]:
         await self._moved(update)  # the weight recorded is the one it is summed at
+        await self._check_direction(update)
         bound = self.guards.clip_bound(update.learner, update.c_steps)
-        if update.norm > bound:
+        if update.clip == 0.0:
+            pass  # dropped for its direction: nothing of it is summed to clip
+        elif update.norm > bound:
             # Scaled down, not refused: an honest update outgrowing the others' (warm-up,
             # a late reply covering many steps) still brings its direction.
             await self.sums.ahead(self.sums.clip, update, bound / update.norm)
@@ -269,9 +276,11 @@ class FragmentOwner:
         await self._moved(update)  # its round was sealed meanwhile
         if not update.provisional:  # received: nothing of it moves again
             self.sums.counted(update)
-        # As capped (provisional: as claimed); its norm as it merges.
-        self.guards.weights.set(update.learner, update.weight)
-        self.guards.norms.set(update.learner, update.norm * update.clip, update.c_steps)
+        self.refused_for_norm.discard(update.learner)
+        if update.clip > 0.0:  # one dropped for its direction moves no bar
+            # As capped (provisional: as claimed); its norm as it merges.
+            self.guards.weights.set(update.learner, update.weight)
+            self.guards.norms.set(update.learner, update.norm * update.clip, update.c_steps)
         self.open.receive(update)  # of the open round: one sealed meanwhile moved it
         self.times.last_received = time.monotonic()
         tm.UPDATES_ACCEPTED.inc()
@@ -284,6 +293,30 @@ class FragmentOwner:
         )
         self.wake.set()
         return status, version
+
+    async def _check_direction(self, update: Update) -> None:
+        """Measure a whole update's agreement with the fragment's last merged outer gradient;
+        below --min-update-agreement take it out of its sum: it is recorded and counts as
+        its round's member (the round's step is not cut for it), at no weight. Not for a
+        provisional update (its weight is settled at sealing), nor before this owner's
+        first merge."""
+        direction = self.committed.direction
+        floor = self.config.min_update_agreement
+        if direction is None or update.provisional or floor <= -1.0:
+            return
+        update.agreement = await self.sums.ahead(self.sums.agreement, update, direction)
+        if update.agreement >= floor:
+            return
+        await self.sums.ahead(self.sums.take_out, update)
+        update.clip = 0.0
+        tm.UPDATES_DROPPED.inc()
+        log.info(
+            "update_dropped",
+            fragment=self.fragment,
+            learner=update.learner,
+            agreement=round(update.agreement, 4),
+            floor=floor,
+        )
 
     @staticmethod
     async def _moved(update: Update) -> None:
@@ -360,9 +393,17 @@ class FragmentOwner:
             scaled = self.config.partial_rounds == "scaled"
             await self.merge(frozenset(lv.learner for lv in live.learners) if scaled else None)
 
+    def refused(self, learner: str, reason: str) -> None:
+        """An update of `learner` was refused for `reason` (telemetry.REJECT_REASONS)."""
+        if reason == "norm":
+            self.refused_for_norm.add(learner)
+
     async def merge(self, live_learners: frozenset[str] | None) -> None:
         """Seal the open round and commit it. `live_learners`: the slots with a live session
-        now, which scale its step (`live_round_scale`); None: a full step."""
+        now, which scale its step (`live_round_scale`), but those whose last update was
+        refused for its norm; None: a full step."""
+        if live_learners is not None:
+            live_learners -= self.refused_for_norm
         self.merging = True
         ready = self.times.ready(time.monotonic())
         try:

@@ -74,6 +74,10 @@ class Update:
     # What its norm was scaled by to merge within its fragment's clip bound (`Guards.clip_bound`):
     # 1 unclipped. Set once whole, before it is recorded.
     clip: float = 1.0
+    # How its values' signs agree with the fragment's last merged outer gradient
+    # (`RoundSums.agreement`, from -1 to 1); None where not checked. Below
+    # --min-update-agreement it merges at no weight: its clip is then 0.
+    agreement: float | None = None
     # Its move to the next round when its round was sealed while it arrived: the move may
     # settle a provisional weight, so whoever reads the weight on the event loop waits.
     moved: Future[None] | None = None

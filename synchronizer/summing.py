@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import math
 import os
+import random
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,6 +33,11 @@ from synchronizer.worker import FragmentWorker
 # core.
 STEP_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="atoll-step")
 MAX_WEIGHTED_VALUE = 1e37  # weight x value beyond this would overflow the float32 sum
+
+# The values of an update read for its agreement with the fragment's last merged outer
+# gradient (`RoundSums.agreement`): whole chunks drawn at random until this many.
+AGREEMENT_SAMPLE = 1 << 20
+_RANDOM = random.SystemRandom()  # which chunks are read: nothing a sender can predict
 
 Range = tuple[int, int, int, str, int]  # sum, offset, count, codec, block size
 
@@ -106,9 +112,35 @@ class RoundSums:
         return [n * update.clip for n in update.norms]
 
     def counted(self, update: Update) -> None:
-        """A whole update joins its round's totals; nothing of it moves again."""
+        """A whole update joins its round's totals; nothing of it moves again. One dropped
+        for its direction (clip 0) joins at no weight: the round is the others' mean."""
         self.worker.submit(update.chunks.clear)
-        update.accumulator.counted(update.weight, self.counted_norms(update), 1)
+        weight = update.weight if update.clip > 0.0 else 0.0
+        update.accumulator.counted(weight, self.counted_norms(update), 1)
+
+    def agreement(self, update: Update, direction: np.ndarray) -> float:
+        """How a whole update's values agree in sign with `direction` (the fragment's last
+        merged outer gradient, True where positive): the L1 mass of its values whose sign
+        matches, less that of those whose sign does not, over the whole L1 mass; from -1
+        (every value against) to 1. Measured on chunks drawn at random now that every chunk
+        is in (AGREEMENT_SAMPLE values at least, where it has that many), so a sender cannot
+        know which of its values are read; 0.0 for an update of zeros."""
+        chunks = list(update.chunks)
+        _RANDOM.shuffle(chunks)
+        agree = total = 0.0
+        seen = 0
+        for chunk in chunks:
+            if seen >= AGREEMENT_SAMPLE:
+                break
+            segment = chunk.segment
+            values = update.codec.decode(segment.data, segment.count, update.block_size)
+            signs = direction[segment.offset : segment.offset + segment.count]
+            # A value agrees where it is positive along a positive direction, or negative
+            # along a negative one.
+            agree += float(np.where(signs, values, -values).sum(dtype=np.float64))
+            total += float(np.abs(values).sum(dtype=np.float64))
+            seen += segment.count
+        return agree / total if total > 0.0 else 0.0
 
     def clip(self, update: Update, factor: float) -> None:
         """Scale a whole update's values (or, for radial merging, the norms it counts with)

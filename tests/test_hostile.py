@@ -1590,6 +1590,46 @@ def test_colluders_short_of_a_majority_cannot_ratchet_the_bound(
             c.close()
 
 
+def test_a_sign_flipped_update_merges_at_no_weight_and_the_honest_one_takes_a_full_step(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    # One hostile slot of two sends the honest update sign-flipped. Unchecked, the two cancel:
+    # the round moved the fragment by nothing. Now its values point against the fragment's
+    # last merged outer gradient (agreement -1): it is recorded, counted as the round's
+    # member (the step is not cut for it), and merged at no weight.
+    c0, evil = l0_and_evil(tmp_path, spawn_synchronizer)
+    r = redis.Redis(port=redis_server.port)
+    honest = np.random.default_rng(5).normal(scale=0.01, size=N0).astype(np.float32)
+    try:
+        support.initialize(c0, P)
+        for k, (c, values) in enumerate([(c0, honest), (evil, honest)]):  # a fair first round
+            chunks = fp32_update(0, values, 10 + k, c.learner_id, base_version=0)
+            for chunk in chunks:
+                chunk.incarnation = c.incarnation
+            assert c.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
+        first = merged(r, 0, 1)
+        assert first["agreements"] == [None, None]  # nothing merged yet to measure against
+        before = fetch_values(c0, 0)
+        for k, (c, values) in enumerate([(c0, honest), (evil, -honest)]):
+            chunks = fp32_update(0, values, 20 + k, c.learner_id, base_version=1)
+            for chunk in chunks:
+                chunk.incarnation = c.incarnation
+            assert c.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
+        entry = merged(r, 0, 2)
+        by_slot = dict(zip(entry["learners"], zip(entry["clips"], entry["agreements"])))
+        assert by_slot["l0"] == (1.0, pytest.approx(1.0))
+        assert by_slot["evil"] == (0.0, pytest.approx(-1.0))
+        assert entry["scale"] == 1.0
+        # Outer lr 1, no momentum: the honest update, as the int8 downlink carries it.
+        step = before - fetch_values(c0, 0)
+        cosine = float(step @ honest) / float(np.linalg.norm(step) * np.linalg.norm(honest))
+        assert cosine > 0.99
+        assert abs(float(np.linalg.norm(step)) / float(np.linalg.norm(honest)) - 1.0) < 0.02
+    finally:
+        c0.close()
+        evil.close()
+
+
 # --- bounded work -----------------------------------------------------------------------------
 def test_ingest_calls_that_never_send_a_chunk_are_counted_and_ended_at_their_deadline(
     job: tuple[SynchronizerChild, SynchronizerClient, redis.Redis],
