@@ -1616,7 +1616,8 @@ def test_a_sign_flipped_update_merges_at_no_weight_and_the_honest_one_takes_a_fu
                 chunk.incarnation = c.incarnation
             assert c.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
         entry = merged(r, 0, 2)
-        by_slot = dict(zip(entry["learners"], zip(entry["clips"], entry["agreements"])))
+        pairs = zip(entry["clips"], entry["agreements"], strict=True)
+        by_slot = dict(zip(entry["learners"], pairs, strict=True))
         assert by_slot["l0"] == (1.0, pytest.approx(1.0))
         assert by_slot["evil"] == (0.0, pytest.approx(-1.0))
         assert entry["scale"] == 1.0
@@ -1628,6 +1629,51 @@ def test_a_sign_flipped_update_merges_at_no_weight_and_the_honest_one_takes_a_fu
     finally:
         c0.close()
         evil.close()
+
+
+def test_a_slot_refused_for_its_norm_cuts_no_honest_learners_step(
+    tmp_path: Path, spawn_synchronizer: SpawnSynchronizer, redis_server: RedisServer
+) -> None:
+    # A live slot sending x1000 updates is refused every time. It once counted among the live
+    # learners each round stood for, so the two honest ones took 2/3 of a step every round.
+    clients = token_holders(
+        tmp_path,
+        spawn_synchronizer,
+        ("l0", "l1", "evil"),
+        "--quorum",
+        "2",
+        "--min-update-agreement",
+        "-1",  # random honest updates: this test is not about direction
+    )
+    r = redis.Redis(port=redis_server.port)
+    rng = np.random.default_rng(7)
+    honest = [rng.normal(scale=0.01, size=N0).astype(np.float32) for _ in range(2)]
+    try:
+        support.initialize(clients[0], P)
+        for k, c in enumerate(clients):  # a fair first round: everyone has history
+            chunks = fp32_update(0, honest[k % 2], 10 + k, c.learner_id, base_version=0)
+            for chunk in chunks:
+                chunk.incarnation = c.incarnation
+            assert c.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
+        merged(r, 0, 1)
+        evil = clients[2]
+        chunks = fp32_update(0, 1000.0 * honest[0], 20, "evil", base_version=1)
+        for chunk in chunks:
+            chunk.incarnation = evil.incarnation
+        ack = evil.ingest_raw(chunks)
+        assert ack.status == session_pb2.ACK_STATUS_REJECTED
+        assert "L2 norm" in ack.reason
+        for k, c in enumerate(clients[:2]):
+            chunks = fp32_update(0, honest[k], 30 + k, c.learner_id, base_version=1)
+            for chunk in chunks:
+                chunk.incarnation = c.incarnation
+            assert c.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED
+        entry = merged(r, 0, 2)
+        assert sorted(entry["learners"]) == ["l0", "l1"]
+        assert entry["scale"] == 1.0  # not 2/3: the refused slot stands for nothing
+    finally:
+        for c in clients:
+            c.close()
 
 
 # --- bounded work -----------------------------------------------------------------------------
