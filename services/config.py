@@ -168,7 +168,9 @@ class JobConfig(BaseModel):
         "other learners' last updates of its fragment, each scaled to the update's inner "
         "steps (square root for fewer, linear for more, at most 8x), or the fragment's own "
         "norm if larger, is refused (with none yet: this many times the fragment's own norm); "
-        "one within it is scaled down by --clip-norm-ratio",
+        "one under that floor but over this many times the median is merged at no weight "
+        "once whole (recorded, its round's step not cut for it); one within it is scaled "
+        "down by --clip-norm-ratio",
     )
     initializer: str = Field(
         "",

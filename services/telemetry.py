@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 from services.goodput import Release
 from services.grpcopts import split_hostport
 
+DROP_REASONS = ("direction", "norm")  # why an update merged at no weight
 REJECT_REASONS = (
     "unknown_fragment",
     "shape_mismatch",
@@ -213,8 +214,10 @@ UPDATES_ACCEPTED = Counter(
 )
 UPDATES_DROPPED = Counter(
     "atoll_updates_dropped_total",
-    "Updates recorded but merged at no weight: their values point against the fragment's "
-    "last merged outer gradient (--min-update-agreement)",
+    "Updates recorded but merged at no weight, by reason: direction (their values point "
+    "against the fragment's last merged outer gradient, --min-update-agreement) or norm (over "
+    "--max-update-norm-ratio times the other slots' recent norms)",
+    ["reason"],
     registry=_S,
 )
 UPDATES_DUPLICATE = Counter(
@@ -429,6 +432,8 @@ TOOL.register(SLOT_PROVISIONED)
 
 for _reason in REJECT_REASONS:
     UPDATES_REJECTED.labels(reason=_reason)
+for _reason in DROP_REASONS:
+    UPDATES_DROPPED.labels(reason=_reason)
 for _direction in ("up", "down"):
     BYTES.labels(direction=_direction)
     LEARNER_BYTES.labels(direction=_direction)

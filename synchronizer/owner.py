@@ -237,6 +237,7 @@ class FragmentOwner:
 
     async def _receive(self, update: Update, checksum: int) -> tuple[str, int]:
         await self._moved(update)  # the weight recorded is the one it is summed at
+        await self._check_size(update)
         await self._check_direction(update)
         bound = self.guards.clip_bound(update.learner, update.c_steps)
         if update.clip == 0.0:
@@ -302,20 +303,28 @@ class FragmentOwner:
         first merge."""
         direction = self.committed.direction
         floor = self.config.min_update_agreement
-        if direction is None or update.provisional or floor <= -1.0:
+        if direction is None or update.provisional or floor <= -1.0 or update.clip == 0.0:
             return
         update.agreement = await self.sums.ahead(self.sums.agreement, update, direction)
-        if update.agreement >= floor:
-            return
+        if update.agreement < floor:
+            await self._drop(update, "direction", agreement=round(update.agreement, 4))
+
+    async def _check_size(self, update: Update) -> None:
+        """A whole update over `Guards.drop_bound` (--max-update-norm-ratio times the other
+        slots' recent norms) is taken out of its sum and merged at no weight, as its round's
+        member. Not for a provisional update (its weight is settled at sealing)."""
+        bound = self.guards.drop_bound(update.learner, update.c_steps)
+        if bound is not None and not update.provisional and update.norm > bound:
+            await self._drop(update, "norm", norm=update.norm, bound=bound)
+
+    async def _drop(self, update: Update, reason: str, **why: float) -> None:
+        """Take a whole update out of its sum: recorded, a member of its round (whose step
+        is not cut for it), merged at no weight (its clip 0). `reason`: direction or norm."""
         await self.sums.ahead(self.sums.take_out, update)
         update.clip = 0.0
-        tm.UPDATES_DROPPED.inc()
+        tm.UPDATES_DROPPED.labels(reason=reason).inc()
         log.info(
-            "update_dropped",
-            fragment=self.fragment,
-            learner=update.learner,
-            agreement=round(update.agreement, 4),
-            floor=floor,
+            "update_dropped", fragment=self.fragment, learner=update.learner, reason=reason, **why
         )
 
     @staticmethod

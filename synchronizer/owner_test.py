@@ -253,18 +253,44 @@ def test_under_radial_merging_a_clipped_update_keeps_its_direction_and_counts_cl
     codec = codecs.by_name("fp32")
     x = np.random.default_rng(8).normal(size=size).astype(np.float32)
     norm = float(np.linalg.norm(x.astype(np.float64)))
-    owner.guards.norms.set("honest", norm / 30, 10)  # the bound: 3x that, a tenth of x's norm
+    # The bound: 3x that, 0.6 of x's norm (under 10x that: clipped, not dropped).
+    owner.guards.norms.set("honest", norm / 5, 10)
     big = Update("evil", "i", 1, 0, 10, 100, 1.0, 1.0, (norm,), codec, 0, owner.sums.current)
     owner.open.stream(big)
     for s in codecs.encode_segments(codec, x, 0, 400)[0]:
         owner.sums.add_now(big, s.offset, s.count, s.data)
 
     assert asyncio.run(owner.receive(big, 0)) == ("received", 0)
-    assert math.isclose(big.clip, 0.1, rel_tol=1e-5)
+    assert math.isclose(big.clip, 0.6, rel_tol=1e-5)
     np.testing.assert_allclose(owner.sums.current.total, x / norm, rtol=1e-5, atol=1e-7)  # unit
     radial = owner.sums.current
     assert isinstance(radial, Radial)
-    assert math.isclose(float(radial.norm_sum[0]), 0.1 * norm, rel_tol=1e-5)
+    assert math.isclose(float(radial.norm_sum[0]), 0.6 * norm, rel_tol=1e-5)
+    owner.close()
+
+
+def test_an_update_ten_times_the_others_merges_at_no_weight_as_its_rounds_member(
+    tmp_path: Path,
+) -> None:
+    """Past --max-update-norm-ratio (10) times the other slots' recent norms, under the
+    fragment-size floor that refuses outright: taken out of the sum, recorded, counted in
+    its round at no weight (a slot replacing a fragment once merged clipped every round)."""
+    size = 1000
+    owner = _owner(tmp_path, size, "evil")
+    codec = codecs.by_name("fp32")
+    x = np.random.default_rng(8).normal(size=size).astype(np.float32)
+    norm = float(np.linalg.norm(x.astype(np.float64)))
+    owner.guards.norms.set("honest", norm / 30, 10)
+    big = Update("evil", "i", 1, 0, 10, 100, 1.0, 1.0, (norm,), codec, 0, owner.sums.current)
+    owner.open.stream(big)
+    for s in codecs.encode_segments(codec, x, 0, 400)[0]:
+        owner.sums.add_now(big, s.offset, s.count, s.data)
+
+    assert asyncio.run(owner.receive(big, 0)) == ("received", 0)
+    assert big.clip == 0.0
+    assert not owner.sums.current.total.any()
+    assert owner.sums.current.weight == 0.0
+    assert owner.guards.norms.median_of_others("x") == norm / 30  # its norm moved no bar
     owner.close()
 
 

@@ -497,6 +497,17 @@ class Guards:
             return max(ratio * median, size)
         return ratio * size
 
+    def drop_bound(self, learner: str, steps: int) -> float | None:
+        """The L2 norm over which a whole update is merged at no weight, not clipped:
+        --max-update-norm-ratio times the median of the other slots' last accepted updates of
+        the fragment, as they merged, each scaled to `steps` (`step_scale`), with no floor.
+        An update that many times the others' carries no honest progress worth keeping (an
+        honest one that outgrows them a little is clipped, `clip_bound`), and one of the
+        fragment's own size (a slot replacing it) would otherwise merge clipped every round,
+        its direction kept. None while no other slot has history: the warm-up bound clips."""
+        median = self.norms.median_of_others(learner, lambda s: step_scale(steps, s))
+        return self.config.max_update_norm_ratio * median if median else None
+
     def clip_bound(self, learner: str, steps: int) -> float:
         """The L2 norm an update of `steps` inner steps is scaled down to if larger:
         --clip-norm-ratio times the median of the other slots' last accepted updates of the
