@@ -99,9 +99,10 @@ class FragmentOwner:
         )
         # Whose idempotency records of this fragment each slot's are, as last recorded here.
         self.holders: dict[str, str] = {}
-        # Slots whose last update of the fragment was refused for its norm: in a round's step
-        # they stand for nothing (`merge`), so a slot refused again and again cuts no honest
-        # learner's step. An update of theirs received takes them out again.
+        # Slots whose last update of the fragment was refused for its norm: a round neither
+        # waits for them nor counts them in its step (`evaluate`), so a slot refused again
+        # and again neither holds rounds open nor cuts the honest learners' step. An update
+        # of theirs received takes them out again.
         self.refused_for_norm: set[str] = set()
         self.open: OpenRound[Update] = OpenRound()  # received, and streaming in
         self.times = RoundTimes(time.monotonic())
@@ -298,12 +299,11 @@ class FragmentOwner:
     async def _check_direction(self, update: Update) -> None:
         """Measure a whole update's agreement with the fragment's last merged outer gradient;
         below --min-update-agreement take it out of its sum: it is recorded and counts as
-        its round's member (the round's step is not cut for it), at no weight. Not for a
-        provisional update (its weight is settled at sealing), nor before this owner's
-        first merge."""
+        its round's member (the round's step is not cut for it), at no weight. Not before
+        this owner's first merge."""
         direction = self.committed.direction
         floor = self.config.min_update_agreement
-        if direction is None or update.provisional or floor <= -1.0 or update.clip == 0.0:
+        if direction is None or floor <= -1.0 or update.clip == 0.0:
             return
         update.agreement = await self.sums.ahead(self.sums.agreement, update, direction)
         if update.agreement < floor:
@@ -312,9 +312,9 @@ class FragmentOwner:
     async def _check_size(self, update: Update) -> None:
         """A whole update over `Guards.drop_bound` (--max-update-norm-ratio times the other
         slots' recent norms) is taken out of its sum and merged at no weight, as its round's
-        member. Not for a provisional update (its weight is settled at sealing)."""
+        member."""
         bound = self.guards.drop_bound(update.learner, update.c_steps)
-        if bound is not None and not update.provisional and update.norm > bound:
+        if bound is not None and update.norm > bound:
             await self._drop(update, "norm", norm=update.norm, bound=bound)
 
     async def _drop(self, update: Update, reason: str, **why: float) -> None:
@@ -355,7 +355,8 @@ class FragmentOwner:
                 max_staleness=self.config.max_staleness,
                 record=record,
                 generation=generation,
-                norm=(update.norm * update.clip, update.c_steps),
+                # One merged at no weight (dropped) leaves its slot's entry as it was.
+                norm=(update.norm * update.clip, update.c_steps) if update.clip > 0 else None,
             )
 
         if self.holders.get(update.learner) == update.incarnation:
@@ -387,9 +388,13 @@ class FragmentOwner:
         )
 
     async def evaluate(self, live: Live) -> None:
-        """Decide on the open round; merge it when the rule says so."""
+        """Decide on the open round; merge it when the rule says so. A slot whose last
+        update was refused for its norm is not waited for, nor counted in the step."""
         if self.version is None or self.merging or self.lost or not self.open.members:
             return
+        if self.refused_for_norm:
+            kept = tuple(lv for lv in live.learners if lv.learner not in self.refused_for_norm)
+            live = Live(live.now_s, kept)
         now = time.monotonic()
         state, slowest = self.round_state(live, now)
         decision = decide(
@@ -409,10 +414,7 @@ class FragmentOwner:
 
     async def merge(self, live_learners: frozenset[str] | None) -> None:
         """Seal the open round and commit it. `live_learners`: the slots with a live session
-        now, which scale its step (`live_round_scale`), but those whose last update was
-        refused for its norm; None: a full step."""
-        if live_learners is not None:
-            live_learners -= self.refused_for_norm
+        now, which scale its step (`live_round_scale`); None: a full step."""
         self.merging = True
         ready = self.times.ready(time.monotonic())
         try:

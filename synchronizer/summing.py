@@ -36,7 +36,7 @@ MAX_WEIGHTED_VALUE = 1e37  # weight x value beyond this would overflow the float
 
 # The values of an update read for its agreement with the fragment's last merged outer
 # gradient (`RoundSums.agreement`): whole chunks drawn at random until this many.
-AGREEMENT_SAMPLE = 1 << 20
+AGREEMENT_SAMPLE = 1 << 18
 _RANDOM = random.SystemRandom()  # which chunks are read: nothing a sender can predict
 
 Range = tuple[int, int, int, str, int]  # sum, offset, count, codec, block size
@@ -115,8 +115,13 @@ class RoundSums:
         """A whole update joins its round's totals; nothing of it moves again. One dropped
         for its direction (clip 0) joins at no weight: the round is the others' mean."""
         self.worker.submit(update.chunks.clear)
-        weight = update.weight if update.clip > 0.0 else 0.0
-        update.accumulator.counted(weight, self.counted_norms(update), 1)
+        update.accumulator.counted(self.counted_weight(update), self.counted_norms(update), 1)
+
+    @staticmethod
+    def counted_weight(update: Update) -> float:
+        """The weight a whole update joins its round's totals with: none where it was
+        dropped (clip 0)."""
+        return update.weight if update.clip > 0.0 else 0.0
 
     def agreement(self, update: Update, direction: np.ndarray) -> float:
         """How a whole update's values agree in sign with `direction` (the fragment's last
@@ -367,7 +372,7 @@ class RoundSums:
 
                 list(STEP_POOL.map(add, range(0, self.size, step)))
             for update in summed:
-                sealed.counted(update.weight, self.counted_norms(update), 1)
+                sealed.counted(self.counted_weight(update), self.counted_norms(update), 1)
                 update.chunks.clear()
             return
         for update, weight in zip(members, weights, strict=True):
@@ -390,7 +395,7 @@ class RoundSums:
 
         list(STEP_POOL.map(run, jobs))
         for update in summed:
-            sealed.counted(update.weight, self.counted_norms(update), 1)
+            sealed.counted(self.counted_weight(update), self.counted_norms(update), 1)
             update.chunks.clear()
 
     def move(self, update: Update, sealed: RoundSum, cap: float | None = None) -> None:

@@ -1495,8 +1495,10 @@ def test_a_slot_with_a_session_cannot_replace_a_fragment_even_after_an_owner_cha
     # The issue's attack with a live session: evil sends 0.99 times fragment 0 as its
     # outer gradient. The bar never fell below the fragment's own norm, so it merged whole
     # (the norm fell from 31.6 to 0.37); after an owner change the new owner's bar was 10x
-    # the fragment's. Now it merges scaled to 3x the honest slot's last norm, and a new owner
-    # reads that history from Redis (ten times the fragment is refused by either owner).
+    # the fragment's. Then it merged scaled to 3x the honest slot's last norm, its direction
+    # kept, every round. Now, past 10x the honest slot's last norm (a history a new owner
+    # reads from Redis), it merges at no weight: the fragment does not move (ten times the
+    # fragment is refused by either owner).
     flags = ["--fragments", str(P), "--grace-seconds", "0"]
     flags += ["--learner-tokens-file", str(tokens_file(tmp_path))]
     first = spawn_synchronizer(*flags, replica="sync-a")
@@ -1524,11 +1526,11 @@ def test_a_slot_with_a_session_cannot_replace_a_fragment_even_after_an_owner_cha
             entry = merged(r, 0, v + 1)
             clip = dict(zip(entry["learners"], entry["clips"], strict=True))["evil"]
             # Measured against l0's history (the new owner's too), not the warm-up bound.
-            bound = 3.0 * honest
-            assert clip == pytest.approx(bound / float(np.linalg.norm(bad)), rel=1e-3)
+            assert float(np.linalg.norm(bad)) > 10.0 * honest
+            assert clip == 0.0
             after = fetch_values(c0, 0)
             moved = float(np.linalg.norm(after - theta))
-            assert moved <= 2 * bound, (moved, bound)  # lr x momentum x scale 1/2
+            assert moved <= 0.1 * honest, (moved, honest)  # what the downlink still owed
             cosine = float(after @ theta) / float(np.linalg.norm(after) * np.linalg.norm(theta))
             assert cosine > 0.999
             assert np.isfinite(after).all()
@@ -1553,7 +1555,8 @@ def test_colluders_short_of_a_majority_cannot_ratchet_the_bound(
     # merges clipped to 3x the median of the others' clipped norms, which the honest
     # majority holds: the colluders' history never passes 3x the honest norm.
     slots = ("l0", "l1", "l2", "evil", "evil2")
-    clients = token_holders(tmp_path, spawn_synchronizer, slots)
+    # Random honest updates: this test is about norms, not direction.
+    clients = token_holders(tmp_path, spawn_synchronizer, slots, "--min-update-agreement", "-1")
     honest, colluders = clients[:3], clients[3:]
     r = redis.Redis(port=redis_server.port)
     try:
@@ -1650,8 +1653,8 @@ def test_a_slot_refused_for_its_norm_cuts_no_honest_learners_step(
     honest = [rng.normal(scale=0.01, size=N0).astype(np.float32) for _ in range(2)]
     try:
         support.initialize(clients[0], P)
-        for k, c in enumerate(clients):  # a fair first round: everyone has history
-            chunks = fp32_update(0, honest[k % 2], 10 + k, c.learner_id, base_version=0)
+        for k, c in enumerate(clients[:2]):  # a first round: the honest slots' history
+            chunks = fp32_update(0, honest[k], 10 + k, c.learner_id, base_version=0)
             for chunk in chunks:
                 chunk.incarnation = c.incarnation
             assert c.ingest_raw(chunks).status == session_pb2.ACK_STATUS_RECEIVED

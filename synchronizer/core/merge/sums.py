@@ -263,8 +263,9 @@ class StreamingSum:
 
     def gradient_factor(self, scale: float) -> float | None:
         """What `outer_gradient` multiplies `total` by, where that is all it does (a compiled
-        outer step then computes it on the way); None where it does more."""
-        return scale / self.weight
+        outer step then computes it on the way); None where it does more. A round whose
+        every member merged at no weight (dropped) steps by nothing."""
+        return scale / self.weight if self.weight > 0 else 0.0
 
     def release(self) -> None:
         """Free the sum once its round's step has read it: a merge's tail (the delta's

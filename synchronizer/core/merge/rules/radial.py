@@ -67,7 +67,7 @@ class Radial(StreamingSum):
         out = np.zeros(end - start, np.float32)
         for t, lo, hi in self._tensors(start, end):
             length = self.direction_norms[t]
-            if length > 0:
+            if length > 0 and self.weight > 0:  # weight 0: every member merged at no weight
                 factor = scale * (self.norm_sum[t] / self.weight) / length
                 out[lo - start : hi - start] = self.total[lo:hi] * np.float32(factor)
         return out
