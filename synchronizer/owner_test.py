@@ -243,22 +243,28 @@ def test_an_update_over_the_clip_bound_merges_scaled_down_and_its_clipped_norm_i
     owner.close()
 
 
+def _evil_against(owner: FragmentOwner, honest_share: float) -> tuple[Update, np.ndarray, float]:
+    """An fp32 update of "evil" summed into `owner`'s open round, beside an honest slot's
+    history of `honest_share` times its norm: the update, its values and their norm."""
+    codec = codecs.by_name("fp32")
+    x = np.random.default_rng(8).normal(size=owner.size).astype(np.float32)
+    norm = float(np.linalg.norm(x.astype(np.float64)))
+    owner.guards.norms.set("honest", norm * honest_share, 10)
+    big = Update("evil", "i", 1, 0, 10, 100, 1.0, 1.0, (norm,), codec, 0, owner.sums.current)
+    owner.open.stream(big)
+    for s in codecs.encode_segments(codec, x, 0, 400)[0]:
+        owner.sums.add_now(big, s.offset, s.count, s.data)
+    return big, x, norm
+
+
 def test_under_radial_merging_a_clipped_update_keeps_its_direction_and_counts_clipped_norms(
     tmp_path: Path,
 ) -> None:
     """Radial merging sums unit vectors: a clip scales the norms an update is counted with
     (the round's length), not its values (its direction)."""
-    size = 1000
-    owner = _owner(tmp_path, size, "evil", config=JobConfig(merge="radial"))
-    codec = codecs.by_name("fp32")
-    x = np.random.default_rng(8).normal(size=size).astype(np.float32)
-    norm = float(np.linalg.norm(x.astype(np.float64)))
-    # The bound: 3x that, 0.6 of x's norm (under 10x that: clipped, not dropped).
-    owner.guards.norms.set("honest", norm / 5, 10)
-    big = Update("evil", "i", 1, 0, 10, 100, 1.0, 1.0, (norm,), codec, 0, owner.sums.current)
-    owner.open.stream(big)
-    for s in codecs.encode_segments(codec, x, 0, 400)[0]:
-        owner.sums.add_now(big, s.offset, s.count, s.data)
+    owner = _owner(tmp_path, 1000, "evil", config=JobConfig(merge="radial"))
+    # The bound: 3x a fifth of its norm, 0.6 of it (under 10x: clipped, not dropped).
+    big, x, norm = _evil_against(owner, 1 / 5)
 
     assert asyncio.run(owner.receive(big, 0)) == ("received", 0)
     assert math.isclose(big.clip, 0.6, rel_tol=1e-5)
@@ -275,16 +281,8 @@ def test_an_update_ten_times_the_others_merges_at_no_weight_as_its_rounds_member
     """Past --max-update-norm-ratio (10) times the other slots' recent norms, under the
     fragment-size floor that refuses outright: taken out of the sum, recorded, counted in
     its round at no weight (a slot replacing a fragment once merged clipped every round)."""
-    size = 1000
-    owner = _owner(tmp_path, size, "evil")
-    codec = codecs.by_name("fp32")
-    x = np.random.default_rng(8).normal(size=size).astype(np.float32)
-    norm = float(np.linalg.norm(x.astype(np.float64)))
-    owner.guards.norms.set("honest", norm / 30, 10)
-    big = Update("evil", "i", 1, 0, 10, 100, 1.0, 1.0, (norm,), codec, 0, owner.sums.current)
-    owner.open.stream(big)
-    for s in codecs.encode_segments(codec, x, 0, 400)[0]:
-        owner.sums.add_now(big, s.offset, s.count, s.data)
+    owner = _owner(tmp_path, 1000, "evil")
+    big, _, norm = _evil_against(owner, 1 / 30)
 
     assert asyncio.run(owner.receive(big, 0)) == ("received", 0)
     assert big.clip == 0.0
