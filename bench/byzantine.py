@@ -121,8 +121,8 @@ def flags(settings: ByzantineBench, seed: int, hostile: dict[str, str]) -> list[
 
 def clipped(report: dict[str, Any], dropped: bool = False) -> dict[str, int]:
     """Per learner, how many of its merged updates were clipped (scaled down to the bound);
-    with `dropped`, how many merged at no weight instead (pointing against the fragment's
-    last merged outer gradient: clip 0)."""
+    with `dropped`, how many merged at no weight instead (clip 0: pointing against the
+    fragment's last merged outer gradient, or far larger than the other slots' updates)."""
     out: dict[str, int] = {}
     for commit in report["commits"]:
         for who, clip in zip(commit.get("learners") or [], commit.get("clips") or [], strict=False):

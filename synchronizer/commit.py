@@ -134,9 +134,10 @@ class FragmentState:
         )
 
         factor = sealed.gradient_factor(scale)
-        # A round whose every member was dropped (sum zero) leaves the direction as it was.
+        # A round whose every member was dropped (sum zero) leaves the direction as it was;
+        # with the direction check off (--min-update-agreement -1) none is kept.
         direction = None
-        if sealed.weight > 0.0:
+        if sealed.weight > 0.0 and self.config.min_update_agreement > -1.0:
             if self.direction is None or self.direction.size != self.size:
                 self.direction = np.zeros(self.size, np.bool_)
             direction = self.direction

@@ -241,9 +241,7 @@ class FragmentOwner:
         await self._check_size(update)
         await self._check_direction(update)
         bound = self.guards.clip_bound(update.learner, update.c_steps)
-        if update.clip == 0.0:
-            pass  # dropped for its direction: nothing of it is summed to clip
-        elif update.norm > bound:
+        if update.clip > 0.0 and update.norm > bound:  # a dropped one has nothing summed to clip
             # Scaled down, not refused: an honest update outgrowing the others' (warm-up,
             # a late reply covering many steps) still brings its direction.
             await self.sums.ahead(self.sums.clip, update, bound / update.norm)
@@ -279,7 +277,7 @@ class FragmentOwner:
         if not update.provisional:  # received: nothing of it moves again
             self.sums.counted(update)
         self.refused_for_norm.discard(update.learner)
-        if update.clip > 0.0:  # one dropped for its direction moves no bar
+        if update.clip > 0.0:  # a dropped one (direction or size) moves no bar
             # As capped (provisional: as claimed); its norm as it merges.
             self.guards.weights.set(update.learner, update.weight)
             self.guards.norms.set(update.learner, update.norm * update.clip, update.c_steps)
