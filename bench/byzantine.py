@@ -119,15 +119,41 @@ def flags(settings: ByzantineBench, seed: int, hostile: dict[str, str]) -> list[
     ]
 
 
-def clipped(report: dict[str, Any], dropped: bool = False) -> dict[str, int]:
-    """Per learner, how many of its merged updates were clipped (scaled down to the bound);
-    with `dropped`, how many merged at no weight instead (clip 0: pointing against the
-    fragment's last merged outer gradient, or far larger than the other slots' updates)."""
-    out: dict[str, int] = {}
+def _per_learner(report: dict[str, Any], key: str) -> dict[str, list[float]]:
+    """Every merged update's `key` entry (as report commits carry them), per learner."""
+    out: dict[str, list[float]] = {}
     for commit in report["commits"]:
-        for who, clip in zip(commit.get("learners") or [], commit.get("clips") or [], strict=False):
-            if (float(clip) == 0.0) if dropped else (0.0 < float(clip) < 1.0):
-                out[who] = out.get(who, 0) + 1
+        values = commit.get(key) or []
+        for who, value in zip(commit.get("learners") or [], values, strict=False):
+            if value is not None:
+                out.setdefault(who, []).append(float(value))
+    return out
+
+
+def clipped(report: dict[str, Any]) -> dict[str, int]:
+    """Per learner, how many of its merged updates were clipped (scaled down to the bound)."""
+    clips = _per_learner(report, "clips")
+    return {who: n for who, c in clips.items() if (n := sum(0.0 < x < 1.0 for x in c))}
+
+
+def dropped(report: dict[str, Any]) -> dict[str, int]:
+    """Per learner, how many of its updates merged at no weight (clip 0: pointing against
+    the fragment's last merged outer gradient, shrinking or growing the fragment's values,
+    or far larger than the other slots' updates)."""
+    clips = _per_learner(report, "clips")
+    return {who: n for who, c in clips.items() if (n := sum(x == 0.0 for x in c))}
+
+
+def signs(report: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """Per learner, the least, median and greatest agreement of its checked updates with the
+    fragment's last merged outer gradient (`agreement`) and with the fragment's own values
+    (`radial`): where honest updates sit against the checks' bounds."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for key, name in (("agreements", "agreement"), ("radials", "radial")):
+        for who, values in _per_learner(report, key).items():
+            ordered = sorted(values)
+            middle = ordered[len(ordered) // 2]
+            out.setdefault(who, {})[name] = [round(x, 4) for x in (ordered[0], middle, ordered[-1])]
     return out
 
 
@@ -197,7 +223,8 @@ def run(settings: ByzantineBench) -> None:
                     "seed": seed,
                     "hostile": hostile,
                     "clipped": clipped(report),
-                    "dropped": clipped(report, dropped=True),
+                    "dropped": dropped(report),
+                    "signs": signs(report),
                 }
                 print(f"{name}: eval loss {report['eval_loss']:.4f}", flush=True)
                 write(result(settings, runs), settings.json_path)

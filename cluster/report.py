@@ -208,6 +208,7 @@ def build_report(
                     "learners",
                     "clips",
                     "agreements",
+                    "radials",
                     "scale",
                     "committed_at",
                 )

@@ -125,19 +125,23 @@ class FragmentState:
         await self.keyframes.write(frame, values, arrays)
         return frame.value, frame.state
 
-    def step(self, sealed: RoundSum, scale: float) -> list[codecs.Segment]:
+    def step(self, sealed: RoundSum, scale: float, clean: bool = True) -> list[codecs.Segment]:
         """The outer step and the downlink delta, in place, segment by segment; segments
-        are independent, so they run on every core (numpy releases the GIL)."""
+        are independent, so they run on every core (numpy releases the GIL). `clean`: no
+        member of the round was clipped, so its sum's signs may become the direction."""
         sealed.prepare()
         step = codecs.segment_values(
             self.downlink, self.config.block_size, self.config.max_chunk_bytes
         )
 
         factor = sealed.gradient_factor(scale)
-        # A round whose every member was dropped (sum zero) leaves the direction as it was;
-        # with the direction check off (--min-update-agreement -1) none is kept.
+        # A round whose every member was dropped (sum zero) leaves the direction as it was,
+        # and so does one with a clipped member: an update clipped to a few times the others'
+        # norm can still outweigh them in the sum, and a direction it set would then drop
+        # the honest updates after it. With the check off (--min-update-agreement -1) none
+        # is kept.
         direction = None
-        if sealed.weight > 0.0 and self.config.min_update_agreement > -1.0:
+        if clean and sealed.weight > 0.0 and self.config.min_update_agreement > -1.0:
             if self.direction is None or self.direction.size != self.size:
                 self.direction = np.zeros(self.size, np.bool_)
             direction = self.direction
@@ -184,7 +188,9 @@ class FragmentState:
         assert self.version is not None
         await self.keyframes.wait()
         phases.done("keyframe_wait")
-        delta = await self._ahead(self.step, sealed, scale)
+        # Dropped members (clip 0) are not in the sum; clipped ones (between) are.
+        clean = all(u.clip in (0.0, 1.0) for u in updates)
+        delta = await self._ahead(self.step, sealed, scale, clean)
         sealed.release()
         phases.done("step")
         version = self.version + 1
@@ -208,6 +214,7 @@ class FragmentState:
             "weights": [u.weight for u in updates],
             "clips": [u.clip for u in updates],
             "agreements": [u.agreement for u in updates],
+            "radials": [u.radial for u in updates],
             "scale": scale,
             "base_versions": [u.base_version for u in updates],
             "replica": self.replica,

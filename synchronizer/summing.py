@@ -123,29 +123,40 @@ class RoundSums:
         dropped (clip 0)."""
         return update.weight if update.clip > 0.0 else 0.0
 
-    def agreement(self, update: Update, direction: np.ndarray) -> float:
+    def agreement(
+        self, update: Update, direction: np.ndarray | None, theta: np.ndarray | None
+    ) -> tuple[float | None, float | None]:
         """How a whole update's values agree in sign with `direction` (the fragment's last
-        merged outer gradient, True where positive): the L1 mass of its values whose sign
-        matches, less that of those whose sign does not, over the whole L1 mass; from -1
-        (every value against) to 1. Measured on chunks drawn at random now that every chunk
-        is in (AGREEMENT_SAMPLE values at least, where it has that many), so a sender cannot
-        know which of its values are read; 0.0 for an update of zeros."""
+        merged outer gradient, True where positive) and with `theta` (the fragment's values:
+        an outer gradient along them moves the fragment toward zero), each the L1 mass of
+        the values whose sign matches, less that of those whose sign does not, over the
+        whole L1 mass: from -1 (every value against) to 1; None for a reference not given,
+        0.0 for an update of zeros. Measured in one pass over chunks drawn at random now
+        that every chunk is in (AGREEMENT_SAMPLE values at least, where it has that many),
+        so a sender cannot know which of its values are read."""
         chunks = list(update.chunks)
         _RANDOM.shuffle(chunks)
-        agree = total = 0.0
+        along = toward = total = 0.0
         seen = 0
         for chunk in chunks:
             if seen >= AGREEMENT_SAMPLE:
                 break
             segment = chunk.segment
             values = update.codec.decode(segment.data, segment.count, update.block_size)
-            signs = direction[segment.offset : segment.offset + segment.count]
-            # A value agrees where it is positive along a positive direction, or negative
-            # along a negative one.
-            agree += float(np.where(signs, values, -values).sum(dtype=np.float64))
+            span = slice(segment.offset, segment.offset + segment.count)
+            if direction is not None:
+                # A value agrees where it is positive along a positive direction, or
+                # negative along a negative one.
+                along += float(np.where(direction[span], values, -values).sum(dtype=np.float64))
+            if theta is not None:  # a value of zero in the fragment counts on neither side
+                toward += float((np.sign(theta[span]) * values).sum(dtype=np.float64))
             total += float(np.abs(values).sum(dtype=np.float64))
             seen += segment.count
-        return agree / total if total > 0.0 else 0.0
+        scale = 1.0 / total if total > 0.0 else 0.0
+        return (
+            None if direction is None else along * scale,
+            None if theta is None else toward * scale,
+        )
 
     def clip(self, update: Update, factor: float) -> None:
         """Scale a whole update's values (or, for radial merging, the norms it counts with)
