@@ -147,9 +147,9 @@ def dropped(report: dict[str, Any]) -> dict[str, int]:
 def signs(report: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
     """Per learner, the least, median and greatest agreement of its checked updates with the
     fragment's last merged outer gradient (`agreement`) and with the fragment's own values
-    (`radial`): where honest updates sit against the checks' bounds."""
+    (`shrink`): where honest updates sit against the checks' bounds."""
     out: dict[str, dict[str, list[float]]] = {}
-    for key, name in (("agreements", "agreement"), ("radials", "radial")):
+    for key, name in (("agreements", "agreement"), ("shrinks", "shrink")):
         for who, values in _per_learner(report, key).items():
             ordered = sorted(values)
             middle = ordered[len(ordered) // 2]

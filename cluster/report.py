@@ -208,7 +208,7 @@ def build_report(
                     "learners",
                     "clips",
                     "agreements",
-                    "radials",
+                    "shrinks",
                     "scale",
                     "committed_at",
                 )

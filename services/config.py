@@ -198,15 +198,14 @@ class JobConfig(BaseModel):
         "drawn once it is whole) below this is merged at no weight, as if it were not sent: "
         "a sign-flipped update from a hostile slot steers nothing (-1 turns the check off)",
     )
-    max_radial_agreement: float = Field(
+    max_shrink_agreement: float = Field(
         0.5,
         gt=0.0,
         le=1.0,
         description="an update whose values' signs agree with the fragment's own values' "
-        "beyond this either way (the same measure and sample as --min-update-agreement's: 1 "
-        "where every value moves the fragment toward zero, -1 where every value grows it) "
-        "is merged at no weight: one that replaces the fragment with a small vector, or "
-        "multiplies it, carries no training (1 turns the check off)",
+        "over this (the same measure and sample as --min-update-agreement's: 1 where every "
+        "value moves the fragment toward zero) is merged at no weight: one that replaces the "
+        "fragment with a small vector carries no training (1 turns the check off)",
     )
     warmup_update_rms: float = Field(
         0.05,

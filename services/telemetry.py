@@ -36,7 +36,7 @@ from prometheus_client.registry import Collector
 from services.goodput import Release
 from services.grpcopts import split_hostport
 
-DROP_REASONS = ("direction", "radial", "norm")  # why an update merged at no weight
+DROP_REASONS = ("direction", "shrink", "norm")  # why an update merged at no weight
 REJECT_REASONS = (
     "unknown_fragment",
     "shape_mismatch",
@@ -215,8 +215,8 @@ UPDATES_ACCEPTED = Counter(
 UPDATES_DROPPED = Counter(
     "atoll_updates_dropped_total",
     "Updates recorded but merged at no weight, by reason: direction (their values point "
-    "against the fragment's last merged outer gradient, --min-update-agreement), radial (they "
-    "shrink or grow the fragment's own values, --max-radial-agreement) or norm (over "
+    "against the fragment's last merged outer gradient, --min-update-agreement), shrink (they "
+    "move the fragment's own values toward zero, --max-shrink-agreement) or norm (over "
     "--max-update-norm-ratio times the other slots' recent norms)",
     ["reason"],
     registry=_S,

@@ -214,7 +214,7 @@ class FragmentState:
             "weights": [u.weight for u in updates],
             "clips": [u.clip for u in updates],
             "agreements": [u.agreement for u in updates],
-            "radials": [u.radial for u in updates],
+            "shrinks": [u.shrink for u in updates],
             "scale": scale,
             "base_versions": [u.base_version for u in updates],
             "replica": self.replica,

@@ -94,3 +94,45 @@ def test_the_merge_rule_in_the_docs_registers_as_written() -> None:
         assert rule.new(4, (4,)).gradient_factor(0.5) == 0.5
     finally:
         REGISTRY.pop("summed", None)
+
+
+def test_the_direction_is_kept_only_from_a_round_with_no_clipped_member(tmp_path: Path) -> None:
+    """A round stepped as clean sets the direction to its sum's signs; one with a clipped
+    member (which can still outweigh the others in the sum) leaves it as it was."""
+    size = 256
+    config = JobConfig()
+    sums = RoundSums(0, size, (size,), REGISTRY[config.merge], config)
+    state = FragmentState(
+        fragment=0,
+        size=size,
+        epoch=1,
+        replica="r",
+        fragments=1,
+        config=config,
+        store=None,  # type: ignore[arg-type]  # a step touches no store
+        tensors=TensorStore(str(tmp_path)),
+        tape=Tape(None, "r"),
+        ahead=sums.ahead,
+    )
+    state.theta = np.ones(size, np.float32)
+    state.residual = np.zeros(size, np.float32)
+    state.state = state.optimizer.init(state.theta)
+    codec = codecs.by_name("fp32")
+    rng = np.random.default_rng(1)
+
+    def round_of(delta: np.ndarray, clean: bool) -> None:
+        update = Update("l", "i", 1, 0, 10, 100, 1.0, 1.0, (1.0,), codec, 0, sums.current)
+        for s in codecs.encode_segments(codec, delta, 0, 400)[0]:
+            sums.add_now(update, s.offset, s.count, s.data)
+        sums.counted(update)
+        state.step(sums.seal(), 1.0, clean)
+
+    first = rng.normal(size=size).astype(np.float32)
+    round_of(first, clean=True)
+    assert state.direction is not None
+    np.testing.assert_array_equal(state.direction, first > 0)
+    round_of(-first, clean=False)  # a clipped member in it: the direction stays
+    np.testing.assert_array_equal(state.direction, first > 0)
+    round_of(-first, clean=True)
+    np.testing.assert_array_equal(state.direction, first < 0)
+    sums.close()

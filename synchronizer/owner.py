@@ -297,26 +297,29 @@ class FragmentOwner:
     async def _check_direction(self, update: Update) -> None:
         """Measure a whole update's agreement with the fragment's last merged outer gradient
         and with the fragment's own values, in one sampled pass; below
-        --min-update-agreement, or beyond --max-radial-agreement either way, take it out of
-        its sum: it is recorded and counts as its round's member (the round's step is not cut
-        for it), at no weight. The direction is not checked before this owner's first merge;
-        the radial agreement is, from the fragment's first update on."""
+        --min-update-agreement, or over --max-shrink-agreement (it moves the fragment toward
+        zero), take it out of its sum: it is recorded and counts as its round's member (the
+        round's step is not cut for it), at no weight. The direction is not checked before
+        this owner's first merge; the shrink is, from the fragment's first update on. Only
+        toward zero: early in training honest updates grow the fragment (their agreement
+        with it reaches -0.5 on the byzantine bench), and an update that grows it more than
+        honest ones do is bounded by its norm."""
         if update.clip == 0.0:
             return
-        floor, radial_bound = self.config.min_update_agreement, self.config.max_radial_agreement
+        floor, shrink_bound = self.config.min_update_agreement, self.config.max_shrink_agreement
         direction = self.committed.direction if floor > -1.0 else None
-        theta = self.committed.theta if radial_bound < 1.0 else None
+        theta = self.committed.theta if shrink_bound < 1.0 else None
         if theta is not None and theta.size != self.committed.size:
             theta = None  # no value yet: the job is not initialized
         if direction is None and theta is None:
             return
-        update.agreement, update.radial = await self.sums.ahead(
+        update.agreement, update.shrink = await self.sums.ahead(
             self.sums.agreement, update, direction, theta
         )
         if update.agreement is not None and update.agreement < floor:
             await self._drop(update, "direction", agreement=round(update.agreement, 4))
-        elif update.radial is not None and abs(update.radial) > radial_bound:
-            await self._drop(update, "radial", radial=round(update.radial, 4))
+        elif update.shrink is not None and update.shrink > shrink_bound:
+            await self._drop(update, "shrink", shrink=round(update.shrink, 4))
 
     async def _check_size(self, update: Update) -> None:
         """A whole update over `Guards.drop_bound` (--max-update-norm-ratio times the other
@@ -328,7 +331,7 @@ class FragmentOwner:
 
     async def _drop(self, update: Update, reason: str, **why: float) -> None:
         """Take a whole update out of its sum: recorded, a member of its round (whose step
-        is not cut for it), merged at no weight (its clip 0). `reason`: direction, radial or
+        is not cut for it), merged at no weight (its clip 0). `reason`: direction, shrink or
         norm."""
         await self.sums.ahead(self.sums.take_out, update)
         update.clip = 0.0

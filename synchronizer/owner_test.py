@@ -351,6 +351,50 @@ def test_an_owner_takes_its_first_values_merges_a_round_and_commits_it(tmp_path:
     owner.close()
 
 
+def test_an_update_shrinking_the_fragment_merges_at_no_weight_from_its_first_round(
+    tmp_path: Path,
+) -> None:
+    """In the fragment's first round (no direction, no other slot's norm yet), an update of
+    0.99 times the fragment (a slot replacing it with a small vector) agrees with the
+    fragment's own signs at about 1: it is recorded and merges at no weight; an honest
+    update beside it agrees at about 0 and takes its full step. One that grows the fragment
+    (-5 times it) is not judged by its shrink (honest ones grow it early in training)."""
+    size, lr = 4000, 0.5
+    store = _store("honest", "shrink", "grow", initialized=False)
+    owner = _owner(tmp_path, size, store=store, config=JobConfig(outer_lr=lr))
+    rng = np.random.default_rng(11)
+    start = rng.normal(scale=0.02, size=size).astype(np.float32)
+    honest = rng.normal(scale=0.001, size=size).astype(np.float32)
+    grow = (-5.0 * start).astype(np.float32)
+
+    async def run() -> None:
+        value, state = await owner.initial_state(start)
+        assert await store.init_fragment(0, value, state)
+        await owner.load(await store.pointer(0))
+        sent = {}
+        for k, (learner, x) in enumerate(
+            (("shrink", 0.99 * start), ("grow", grow), ("honest", honest))
+        ):
+            sent[learner] = _send(owner, learner, k, x.astype(np.float32))
+            assert await owner.receive(sent[learner], k) == ("received", 0)
+        shrink = {who: u.shrink if u.shrink is not None else math.nan for who, u in sent.items()}
+        assert shrink["shrink"] > 0.99
+        assert shrink["grow"] < -0.99
+        assert abs(shrink["honest"]) < 0.1
+        assert sent["shrink"].clip == 0.0
+        assert 0.0 < sent["grow"].clip < 1.0  # the warm-up bound, 0.05 per value, clips it
+        assert sent["honest"].clip == 1.0
+        await owner.merge(None)
+        (entry,) = await store.log_range(0, 0, 1)
+        assert entry["learners"] == ["shrink", "grow", "honest"]  # members, all three
+        moved = owner.committed.theta + owner.committed.residual
+        clipped = sent["grow"].clip * grow
+        np.testing.assert_allclose(moved, start - lr * (honest + clipped) / 2, atol=1e-6)
+
+    asyncio.run(run())
+    owner.close()
+
+
 def test_a_refused_update_is_taken_out_of_the_round_and_leaves_no_record(tmp_path: Path) -> None:
     """An update whose slot a newer incarnation took over is refused by the control store
     after summing: its values leave the round's sum, and the round has no member."""

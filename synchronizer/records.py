@@ -79,10 +79,10 @@ class Update:
     # --min-update-agreement it merges at no weight: its clip is then 0.
     agreement: float | None = None
     # How its values' signs agree with the fragment's own values' (the same sampled pass):
-    # 1 where every value points toward zero (an update that shrinks the fragment, as one
+    # 1 where every value moves the fragment toward zero (an update that shrinks it, as one
     # replacing it with a small vector does), -1 where every value grows it. None where not
-    # checked. Beyond --max-radial-agreement either way it merges at no weight.
-    radial: float | None = None
+    # checked. Over --max-shrink-agreement it merges at no weight.
+    shrink: float | None = None
     # Its move to the next round when its round was sealed while it arrived: the move may
     # settle a provisional weight, so whoever reads the weight on the event loop waits.
     moved: Future[None] | None = None
