@@ -2,9 +2,10 @@
 model, against the all-honest run of the same seeds.
 
 Every run is the CPU quality bench's (`atoll bench quality`'s defaults: its model, M=4
-decoupled learners on one token stream, its H, P and codec), through `atoll up` with the
-job's defences as shipped (the default quorum, clipping to a multiple of the median norm of
-recent accepted updates, the warm-up bound). A hostile learner (`atoll up --hostile`,
+learners on one token stream, its H, P and codec; decoupled, or sync with `--mode sync`),
+through `atoll up` with the job's defences as shipped (the default quorum, clipping to a
+multiple of the median norm of recent accepted updates, the warm-up bound, the direction,
+shrink and size drops). A hostile learner (`atoll up --hostile`,
 `learner/hostile.py`) trains as usual and sends a corrupted update every round it can:
 
 - one of M for each `--variants` kind (sign-flip, x100, random, replace);
@@ -22,7 +23,7 @@ import math
 import tempfile
 from pathlib import Path
 from statistics import mean
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -52,6 +53,13 @@ class ByzantineBench(Model, Output):
     inner_steps: int = Field(12, ge=1, description="H")
     fragments: int = Field(3, ge=1, description="P")
     codec: str = Field("int8", description="codec of the updates, both directions")
+    mode: Literal["decoupled", "sync"] = Field(
+        "decoupled",
+        description="the learners' mode: decoupled (rounds merge whoever has sent, so which "
+        "updates meet depends on timing, and runs of one seed differ by a few percent) or "
+        "sync (every round waits for every live learner: a row differs from the honest one "
+        "by what the hostile slots do, not by timing)",
+    )
     variants: list[Hostility] = Field(
         list(HOSTILITIES), description="the kinds of one hostile learner, one row each"
     )
@@ -109,7 +117,7 @@ def flags(settings: ByzantineBench, seed: int, hostile: dict[str, str]) -> list[
         "--inner-steps",
         str(settings.inner_steps),
         "--mode",
-        "decoupled",
+        settings.mode,
         "--no-shared-budget",  # each learner exactly --steps: equal tokens in every run
         "--codec",
         settings.codec,
@@ -199,6 +207,7 @@ def result(settings: ByzantineBench, runs: dict[str, dict[str, Any]]) -> dict[st
         "inner_steps": settings.inner_steps,
         "fragments": settings.fragments,
         "codec": settings.codec,
+        "mode": settings.mode,
         "seeds": settings.seeds,
         "rows": table,
         "runs": runs,
