@@ -22,6 +22,7 @@ from services.config import JobConfig
 from services.layout import FragmentLayout
 from services.outage import OutageLog
 from services.tape import Tape
+from synchronizer.live_view import LiveView
 from synchronizer.owner import EVALUATE_EVERY_S, FragmentOwner
 from synchronizer.records import OwnerLost
 from synchronizer.store.control import ControlStore
@@ -33,6 +34,14 @@ log = structlog.get_logger("atoll.synchronizer.ownership")
 REPLICA_TTL_S = 8.0
 OWNER_TTL_S = 8.0
 TICK_S = 0.5
+# How old the live learners a round is decided on may be (`LiveView`; a learner with an update
+# in the round is in them if it is live). What a read this old misses is seen late already: a
+# dead learner's lease lapses seconds after its last heartbeat, step times and finishing come
+# with heartbeats (a second apart by default), and with no update arriving a round is decided
+# only every EVALUATE_EVERY_S. So a round merges at most this much sooner or later than with a
+# read of its own, and the replica reads the live set about ten times a second, not once per
+# fragment per update (once more when a round holds a learner the last read lacked).
+LIVE_MAX_AGE_S = EVALUATE_EVERY_S
 
 
 def rightful_owners(fragments: int, replicas: Sequence[str]) -> list[str | None]:
@@ -73,6 +82,7 @@ class Ownership:
         self.owned: dict[int, FragmentOwner] = {}
         self.replicas: dict[str, str] = {}  # live replica -> address
         self._rounds: dict[int, asyncio.Task[None]] = {}
+        self.live = LiveView(store.live, max_age_s=LIVE_MAX_AGE_S)  # for all owned fragments
         self._stopping = False
 
     async def run_forever(self) -> None:
@@ -151,7 +161,8 @@ class Ownership:
                 await asyncio.wait_for(owner.wake.wait(), EVALUATE_EVERY_S)
             owner.wake.clear()
             try:
-                await owner.evaluate(await self.store.live())
+                round_learners = owner.open.contributors() | owner.open.sending()
+                await owner.evaluate(await self.live.get(round_learners))
                 outage.succeeded()
             except OwnerLost:
                 return
