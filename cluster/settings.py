@@ -76,9 +76,9 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         ge=1,
         le=64,
         description="processes each learner slot runs as (atoll learner --processes N "
-        "--local-processes): one model sharded over all their devices, each process sending "
-        "and receiving only its own shard; on GPUs one GPU each (the slot's --gpus-per-learner, "
-        "by default this many); needs --merge mean",
+        "--local-processes): one model sharded over all their devices (or replicated, "
+        "--param-layout), each process sending and receiving only its own shard; on GPUs one "
+        "GPU each (the slot's --gpus-per-learner, by default this many); needs --merge mean",
     )
     batch_sizes: list[int] = Field(
         default_factory=list,
@@ -126,7 +126,8 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         False,
         description="with --regions: the reference a race across regions needs, data-parallel "
         "over the same links: one learner of one process per slot of the regions "
-        "(jax.distributed; gloo reduces gradients every step across the links), batch "
+        "(jax.distributed; gloo reduces gradients every step across the links: "
+        "--param-layout replicated for classic data-parallel's all-reduce), batch "
         "learners x --batch-size split over them; run as sync mode with one fragment synced "
         "every --eval-every steps (else once, at the end), fp32 both ways, outer lr 1 and no "
         "momentum (the identity: the global model evaluated is the learner's own)",

@@ -154,12 +154,13 @@ class InnerLoop:
                 f"--batch-size {settings.batch_size} must be a multiple of the learner's "
                 f"{devices} devices, so each gets an equal share"
             )
-        # Fully sharded: parameters and optimizer state split over the devices, like the batch.
-        shapes = workload.shapes()
+        # The batch split over the devices; parameters and optimizer state split as it is
+        # (sharded) or whole on each device (replicated), as --param-layout says.
+        shapes, layout = workload.shapes(), settings.param_layout
         self.replicated = meshes.replicated(mesh)
         self.batch_sharding = meshes.batch_sharding(mesh)
-        self.param_shardings = meshes.shardings(shapes, mesh)
-        self.opt_shardings = meshes.shardings(jax.eval_shape(self.tx.init, shapes), mesh)
+        self.param_shardings = meshes.shardings(shapes, mesh, layout)
+        self.opt_shardings = meshes.shardings(jax.eval_shape(self.tx.init, shapes), mesh, layout)
 
     # --- set-up ---------------------------------------------------------------------------
     def _compile(self) -> None:
@@ -401,6 +402,7 @@ class InnerLoop:
             "steps": self.step,
             "tokens": self.tokens,
             "parameters": sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params)),
+            "param_layout": self.settings.param_layout,
             "wall_seconds": round(wall, 3),
             "started_at": self.timeline.started,
             "step_time_ema_s": self.ema_step_s,

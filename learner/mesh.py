@@ -1,15 +1,20 @@
 """Where a learner's arrays live: one mesh over all its devices, every process's included.
 
-Parameters and the inner optimizer's state are fully sharded over the mesh's `fsdp` axis
-(each device holds 1/N of every leaf that divides); the batch is split over the same axis,
-and XLA inserts the gathers and reduce-scatters the step needs. A leaf is cut along its
-outermost dimension that the device count divides: then every device's share is one
-contiguous run of the leaf's row-major values, and so of the fragment's flat vector, which
-is what a process sends and receives of each fragment (learner/shards.py). A leaf nothing
-divides (a scalar, an odd-sized vector) is replicated.
+The batch is always split over the mesh's `fsdp` axis. Parameters and the inner optimizer's
+state follow the learner's `--param-layout`:
 
-The rule is a pure function of a leaf's shape, so the optimizer's moments (the parameters'
-shapes) are sharded exactly as their parameters are.
+- sharded (the default): fully sharded over the same axis (each device holds 1/N of every
+  leaf that divides), and XLA inserts the gathers and reduce-scatters the step needs. A leaf
+  is cut along its outermost dimension that the device count divides: then every device's
+  share is one contiguous run of the leaf's row-major values, and so of the fragment's flat
+  vector, which is what a process sends and receives of each fragment (learner/shards.py).
+  A leaf nothing divides (a scalar, an odd-sized vector) is replicated.
+- replicated: every leaf whole on every device (classic data-parallel), and XLA all-reduces
+  the gradients: per step about one model size crosses the devices each way instead of the
+  gathers' several, at the price of N copies of the model and its optimizer state.
+
+The rule is a pure function of a leaf's shape and the layout, so the optimizer's moments
+(the parameters' shapes) are placed exactly as their parameters are.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-FSDP = "fsdp"  # the mesh axis parameters, optimizer state and the batch are split over
+from learner.settings import ParamLayout
+
+FSDP = "fsdp"  # the mesh axis the batch (and sharded parameters and their state) split over
 
 
 def learner_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -45,19 +52,25 @@ def split_dimension(shape: Sequence[int], devices: int) -> int | None:
     return None
 
 
-def leaf_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
-    dim = split_dimension(shape, mesh.shape[FSDP])
+def leaf_sharding(
+    shape: Sequence[int], mesh: Mesh | AbstractMesh, layout: ParamLayout = "sharded"
+) -> NamedSharding:
+    """Where a leaf of `shape` lives (the rule reads only the mesh's size: an abstract mesh,
+    one without devices, gives the same answer)."""
+    dim = None if layout == "replicated" else split_dimension(shape, mesh.shape[FSDP])
     if dim is None:
-        return NamedSharding(mesh, P())  # type: ignore[no-untyped-call]
+        return replicated(mesh)
     return NamedSharding(mesh, P(*([None] * dim), FSDP))  # type: ignore[no-untyped-call]
 
 
-def shardings(tree: Any, mesh: Mesh) -> Any:
+def shardings(tree: Any, mesh: Mesh | AbstractMesh, layout: ParamLayout = "sharded") -> Any:
     """A pytree of shardings for a pytree of arrays (or shapes), leaf by leaf."""
-    return jax.tree.map(lambda leaf: leaf_sharding(tuple(getattr(leaf, "shape", ())), mesh), tree)
+    return jax.tree.map(
+        lambda leaf: leaf_sharding(tuple(getattr(leaf, "shape", ())), mesh, layout), tree
+    )
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
+def replicated(mesh: Mesh | AbstractMesh) -> NamedSharding:
     return NamedSharding(mesh, P())  # type: ignore[no-untyped-call]
 
 

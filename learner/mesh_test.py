@@ -1,10 +1,17 @@
+import json
+import math
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
 
 from learner import mesh
 
@@ -24,6 +31,21 @@ def test_moments_are_sharded_as_their_parameters() -> None:
     got = mesh.shardings(shapes, m)
     assert got["w"] == mesh.leaf_sharding((4, 6), m)
     assert got["n"].is_fully_replicated
+
+
+def test_the_layout_splits_leaves_over_the_devices_or_keeps_each_whole_on_every_one() -> None:
+    two = AbstractMesh((2,), (mesh.FSDP,), axis_types=(AxisType.Auto,))
+    params = {"w": jnp.zeros((4, 6)), "v": jnp.zeros((3, 8)), "b": jnp.zeros(3)}
+    opt_state = jax.eval_shape(optax.adamw(1e-3).init, params)
+    sharded = mesh.shardings(params, two)  # the default: as before
+    assert sharded["w"].spec == P(mesh.FSDP)  # type: ignore[no-untyped-call]
+    assert sharded["v"].spec == P(None, mesh.FSDP)  # type: ignore[no-untyped-call]
+    assert sharded["b"].is_fully_replicated  # nothing divides 3
+    assert not all(s.is_fully_replicated for s in jax.tree.leaves(mesh.shardings(opt_state, two)))
+    for tree in (params, opt_state):
+        whole = jax.tree.leaves(mesh.shardings(tree, two, "replicated"))
+        assert whole
+        assert all(s.is_fully_replicated for s in whole)
 
 
 SCRIPT = textwrap.dedent(
@@ -64,3 +86,75 @@ def test_the_inner_loop_shards_parameters_and_optimizer_state_over_its_devices()
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "loss" in out.stdout
+
+
+TWO_PROCESSES = textwrap.dedent(
+    """
+    import json, threading
+    from learner import group
+    from learner.settings import LearnerSettings
+
+    model = dict(standalone=True, processes=2, steps=4, layers=1, width=32, heads=2,
+                 context=16, batch_size=4, eval_every=0, eval_batches=1, warmup_steps=0)
+    first = LearnerSettings(**model)
+    joined = group.start(first.coordinator, first.processes, first.process_id)
+    from learner.loop import InnerLoop
+    from learner.workload import load
+    from services.tape import Tape
+
+    for layout in ("sharded", "replicated"):
+        s = LearnerSettings(**model, param_layout=layout)
+        loop = InnerLoop(s, load(s), None, Tape(None, "t"), threading.Event())
+        params, opt_state = loop._start()
+        loop._compile_step(params, opt_state)
+        losses = []
+        for _ in range(s.steps):
+            params, opt_state, loss = loop._train_step(params, opt_state, loop._next_batch())
+            losses.append(float(loss))
+        qkv = params["blocks/0/attn/qkv"]
+        held = [list(x.data.shape) for x in qkv.addressable_shards]
+        print("layout", json.dumps({"layout": layout, "held": held, "losses": losses}))
+    joined.leave()
+    """
+)
+
+
+def test_two_processes_train_alike_with_parameters_sharded_or_replicated() -> None:
+    """One learner over two processes (one CPU device each, jax.distributed): the same
+    seed and batches give the same losses whether its parameters are split over the two or
+    whole on both (the step gathers them, or all-reduces the gradients)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    children = []
+    for k in range(2):
+        env = dict(os.environ)
+        env.update(
+            JAX_PLATFORMS="cpu",
+            ATOLL_COORDINATOR=coordinator,
+            ATOLL_PROCESS_ID=str(k),
+            PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+        )
+        env.pop("XLA_FLAGS", None)
+        children.append(
+            subprocess.Popen(
+                [sys.executable, "-c", TWO_PROCESSES],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    runs = []
+    for child in children:
+        out, err = child.communicate(timeout=240)
+        assert child.returncode == 0, err[-3000:]
+        lines = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("layout ")]
+        runs.append({r["layout"]: r for r in lines})
+    for run in runs:  # each process: half of qkv's rows, or all of them
+        assert run["sharded"]["held"] == [[16, 96]]
+        assert run["replicated"]["held"] == [[32, 96]]
+    sharded, replicated = runs[0]["sharded"]["losses"], runs[0]["replicated"]["losses"]
+    assert runs[1]["replicated"]["losses"] == replicated  # one learner: one loss
+    assert sharded[-1] < sharded[0]  # it trains
+    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(sharded, replicated, strict=True))

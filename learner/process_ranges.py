@@ -4,8 +4,10 @@ Parameters are global arrays sharded over every process's devices (learner/mesh.
 process keeps, per fragment, only the values its devices hold (its *vector*,
 learner/shards.py) as anchor, error feedback and adopted global values, and sends and
 receives only those: its part of each update (one Ingest call, `UpdateChunk.part`), and its
-ranges of each new global value (a range fetch at the version the leader names). No process
-ever holds a whole fragment. Its news come at the ticks the leader publishes
+ranges of each new global value (a range fetch at the version the leader names). Sharded
+(`--param-layout sharded`), no process ever holds a whole fragment; replicated, every
+process holds and fetches each whole, and the first alone sends it (the others' updates are
+empty, settled by the leader's acks). Its news come at the ticks the leader publishes
 (learner/ticks.py), so every process adopts the same versions at the same step.
 
 Bandwidth down: float32 values of a process's own ranges, 4 bytes a value per version,
@@ -198,6 +200,9 @@ class ProcessRanges:
         made = jax.jit(initial if callable(initial) else lambda: initial, out_shardings=shardings)
         flat = self.link.named.flatten(made())
         for p, shard in enumerate(self.shards):
+            seq = next(self._seqs)  # drawn by every process, so all number updates alike
+            if not shard.sent:  # another process sends all of it (its leaves replicated):
+                continue  # an empty part would wait for an acknowledgement never sent
             vector = self._host(p, self._shard_arrays(p, flat))
             segments, _ = _encode_runs(
                 codecs.by_name("fp32"),
@@ -214,7 +219,7 @@ class ProcessRanges:
                 block_size=0,
                 num_elements=shard.size,
                 kind=session_pb2.UPDATE_KIND_INITIAL,
-                seq=next(self._seqs),
+                seq=seq,
                 part=shard.part,
                 parts=shard.parts if shard.parts > 1 else 0,
             )

@@ -5,8 +5,9 @@ Each leaf is sharded over the learner's mesh (learner/mesh.py), so a process's d
 some runs of each leaf's values. A process's *vector* of a fragment is the values it holds,
 in fragment order: what its error feedback, anchors and adopted global values are kept as,
 never the whole fragment. Of those it *sends* the runs whose shard its own device is the
-first to hold (a value held on several devices, a replicated leaf, goes from one); the
-processes that send anything for a fragment send one part each of its update
+first to hold (a value held on several devices, a replicated leaf, goes from one: with
+`--param-layout replicated` every leaf is, and the first process sends every fragment whole);
+the processes that send anything for a fragment send one part each of its update
 (`UpdateChunk.part` of `parts`), and together their parts cover it exactly.
 
 Pure: it reads shard indices (as `Sharding.devices_indices_map` gives them) and devices'

@@ -45,3 +45,14 @@ def test_a_fragment_only_one_process_sends_is_sent_whole() -> None:
     second = plan(layout, indices, 1)[0]
     assert (second.sent, second.parts) == ((), 1)
     assert plan(layout, indices, 0)[0].sent == ((0, 3),)
+
+
+def test_with_every_leaf_replicated_the_first_process_sends_each_fragment_whole() -> None:
+    layout = fragment_layout([LeafSpec("a", (4, 3)), LeafSpec("b", (3,)), LeafSpec("c", ())], 2)
+    whole = {"a": (slice(None), slice(None)), "b": (slice(None),), "c": ()}
+    indices = {name: {D0: index, D1: index} for name, index in whole.items()}
+    for first, second in zip(plan(layout, indices, 0), plan(layout, indices, 1), strict=True):
+        assert first.held == second.held == first.sent == ((0, first.size),)
+        assert second.sent == ()
+        assert (first.part, first.parts, second.parts) == (0, 1, 1)
+        assert first.sent_local == ((0, first.size),)

@@ -67,5 +67,8 @@ def test_the_runs_share_the_regions_and_text_and_differ_in_link_and_mode() -> No
     assert list(plans) == ["dp", "decoupled", "sync", "uncapped"]
     assert plans["dp"][:2] == ["--link", "rate=50mbit,delay=40ms"]
     assert "--data-parallel" in plans["dp"]
+    assert plans["dp"][-2:] == ["--param-layout", "replicated"]  # classic data-parallel
+    sharded = WanBench.model_validate({"json": None, "dp_param_layout": "sharded"})
+    assert dict(planned(sharded))["dp"][-2:] == ["--param-layout", "sharded"]
     assert plans["uncapped"][:2] == ["--link", "rate=100gbit"]
     assert plans["uncapped"][2:] == plans["decoupled"][2:]
