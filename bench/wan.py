@@ -51,6 +51,13 @@ class WanBench(Model, Output):
     eval_every: int = Field(20, ge=1, description="steps between evaluations of the global model")
     eval_batches: int = Field(4, ge=1, description="eval batches (x batch size sequences)")
     threads: int = Field(1, ge=1, description="CPU threads of each learner process")
+    dp_lr: float | None = Field(
+        None,
+        gt=0.0,
+        description="dp's inner peak learning rate (default: the learner's, as decoupled and "
+        "sync use): dp takes one step per M learners' batches, so sweep it to tune the "
+        "reference",
+    )
     dp_param_layout: ParamLayout = Field(
         "replicated",
         description="how dp's processes hold the model (atoll learner --param-layout). "
@@ -138,7 +145,14 @@ def planned(settings: WanBench) -> list[tuple[str, list[str]]]:
     link = f"rate={settings.rate}" + (f",delay={settings.delay}" if settings.delay else "")
     decoupled = ["--mode", "decoupled", "--no-shared-budget", *algorithm_flags(settings)]
     plans = {
-        "dp": ["--link", link, "--data-parallel", "--param-layout", settings.dp_param_layout],
+        "dp": [
+            "--link",
+            link,
+            "--data-parallel",
+            "--param-layout",
+            settings.dp_param_layout,
+            *(["--lr", str(settings.dp_lr)] if settings.dp_lr is not None else []),
+        ],
         "decoupled": ["--link", link, *decoupled],
         "sync": ["--link", link, "--mode", "sync", *algorithm_flags(settings)],
         "uncapped": ["--link", UNCAPPED, *decoupled],

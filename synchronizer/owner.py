@@ -14,6 +14,7 @@ are summed and checked; one refused after summing is taken out again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -402,17 +403,21 @@ class FragmentOwner:
 
     async def evaluate(self, live: Live) -> None:
         """Decide on the open round; merge it when the rule says so. A slot whose last
-        update was refused for its norm is not waited for, nor counted in the step."""
+        update was refused for its norm is not waited for, nor counted in the step: in sync
+        mode too, whose rounds otherwise wait for every slot of the job (a slot sending only
+        refused updates would stop the job)."""
         if self.version is None or self.merging or self.lost or not self.open.members:
             return
+        policy = self.policy
         if self.refused_for_norm:
             kept = tuple(lv for lv in live.learners if lv.learner not in self.refused_for_norm)
             live = Live(live.now_s, kept)
+            if policy.mode == "sync":  # its quorum is the job's M: those slots are not in it
+                quorum = max(1, policy.quorum - len(self.refused_for_norm))
+                policy = dataclasses.replace(policy, quorum=quorum)
         now = time.monotonic()
         state, slowest = self.round_state(live, now)
-        decision = decide(
-            state, self.policy, slowest_step_s=slowest, t_sync_s=self.committed.t_sync_s
-        )
+        decision = decide(state, policy, slowest_step_s=slowest, t_sync_s=self.committed.t_sync_s)
         self.times.decided(decision, now)
         if decision.grace_s is not None:
             tm.GRACE_SECONDS.observe(decision.grace_s)

@@ -395,6 +395,36 @@ def test_an_update_shrinking_the_fragment_merges_at_no_weight_from_its_first_rou
     owner.close()
 
 
+def test_in_sync_mode_a_slot_refused_for_its_norm_does_not_stop_the_job(tmp_path: Path) -> None:
+    """A sync round waits for every slot of the job (quorum 3 here); a slot whose update was
+    refused for its norm is not waited for: the two honest slots' updates merge."""
+    size = 1000
+    store = _store("a", "b", "evil", initialized=False)
+    config = JobConfig(mode="sync", quorum=3)
+    owner = _owner(tmp_path, size, store=store, config=config)
+    rng = np.random.default_rng(12)
+
+    async def run() -> None:
+        value, state = await owner.initial_state(rng.normal(size=size).astype(np.float32))
+        assert await store.init_fragment(0, value, state)
+        await owner.load(await store.pointer(0))
+        for k, learner in enumerate("ab"):
+            x = rng.normal(scale=0.01, size=size).astype(np.float32)
+            assert await owner.receive(_send(owner, learner, k, x), k) == ("received", 0)
+        live = Live(
+            now_s=0.0,
+            learners=tuple(LiveLearner(who, 0.5, False, None) for who in ("a", "b", "evil")),
+        )
+        await owner.evaluate(live)
+        assert owner.version == 0  # waiting for the job's third slot
+        owner.refused("evil", "norm")
+        await owner.evaluate(live)
+        assert owner.version == 1
+
+    asyncio.run(run())
+    owner.close()
+
+
 def test_a_refused_update_is_taken_out_of_the_round_and_leaves_no_record(tmp_path: Path) -> None:
     """An update whose slot a newer incarnation took over is refused by the control store
     after summing: its values leave the round's sum, and the round has no member."""
