@@ -9,7 +9,10 @@ shrink and size drops). A hostile learner (`atoll up --hostile`,
 `learner/hostile.py`) trains as usual and sends a corrupted update every round it can:
 
 - one of M for each `--variants` kind (sign-flip, x100, random, replace);
-- a colluding pair (two of M) of the `--colluding` kind.
+- a colluding pair (two of M) of the `--colluding` kind;
+- M-1 honest learners and no hostile one (`honest-fewer`): a hostile slot's share of the text
+  is lost whatever the defence, so this row is what a perfect defence against one would
+  leave.
 
 Each row runs once per seed; the result gives each row's final eval loss (mean, min, max,
 spread) and its gap to the honest row's mean, its bytes and goodput. The issue's bar: within
@@ -40,6 +43,7 @@ from bench.runs import up, write
 from learner.hostile import HOSTILITIES, Hostility
 
 HONEST = "honest"
+FEWER = "honest-fewer"  # M-1 honest learners, no hostile one: what a perfect defence leaves
 ONE_OF_M_BOUND = 0.02  # the issue's bar: one hostile learner of four
 PAIR_BOUND = 0.05  # a colluding pair of four
 
@@ -65,6 +69,12 @@ class ByzantineBench(Model, Output):
     )
     colluding: Hostility | None = Field(
         "replace", description="the kind of the colluding pair's row; none: no such row"
+    )
+    fewer: bool = Field(
+        True,
+        description="also run M-1 honest learners and no hostile one (row honest-fewer): "
+        "what a defence that drops every hostile update leaves, the hostile slot's share of "
+        "the text being lost whatever the defence",
     )
     seeds: list[int] = Field(
         [0, 1], min_length=1, description="seeds: every row runs once per seed"
@@ -97,23 +107,26 @@ def quality_settings(settings: ByzantineBench) -> QualityBench:
     )
 
 
-def planned(settings: ByzantineBench) -> list[tuple[str, dict[str, str]]]:
-    """(row, hostile slots) of every row: the honest one first."""
-    last = f"learner-{settings.learners - 1}"
-    rows: list[tuple[str, dict[str, str]]] = [(HONEST, {})]
-    rows += [(f"one-{kind}", {last: kind}) for kind in settings.variants]
+def planned(settings: ByzantineBench) -> list[tuple[str, dict[str, str], int]]:
+    """(row, hostile slots, learners) of every row: the honest one first."""
+    m = settings.learners
+    last = f"learner-{m - 1}"
+    rows: list[tuple[str, dict[str, str], int]] = [(HONEST, {}, m)]
+    if settings.fewer:
+        rows.append((FEWER, {}, m - 1))
+    rows += [(f"one-{kind}", {last: kind}, m) for kind in settings.variants]
     if settings.colluding is not None:
         kind: str = settings.colluding
-        pair = {f"learner-{settings.learners - 2}": kind, last: kind}
-        rows.append((f"pair-{settings.colluding}", pair))
+        pair = {f"learner-{m - 2}": kind, last: kind}
+        rows.append((f"pair-{settings.colluding}", pair, m))
     return rows
 
 
-def flags(settings: ByzantineBench, seed: int, hostile: dict[str, str]) -> list[str]:
+def flags(settings: ByzantineBench, seed: int, hostile: dict[str, str], learners: int) -> list[str]:
     quality = quality_settings(settings)
     return [
         *common_flags(quality, seed),
-        *learner_flags(quality, settings.learners, steps_of(quality)),
+        *learner_flags(quality, learners, steps_of(quality)),
         "--inner-steps",
         str(settings.inner_steps),
         "--mode",
@@ -169,7 +182,7 @@ def result(settings: ByzantineBench, runs: dict[str, dict[str, Any]]) -> dict[st
     """Rows over their seeds, each against the honest row: the gap of the means, and
     whether it is within the issue's bound (2% for one of M, 5% and finite for a pair)."""
     table: dict[str, dict[str, Any]] = {}
-    for row, _ in planned(settings):
+    for row, _, _ in planned(settings):
         mine = [r for r in runs.values() if r["row"] == row]
         if not mine:
             continue
@@ -195,6 +208,9 @@ def result(settings: ByzantineBench, runs: dict[str, dict[str, Any]]) -> dict[st
         for row, entry in table.items():
             if row == HONEST:
                 continue
+            if row == FEWER:  # a reference, not an attack: no bound
+                entry["gap_vs_honest"] = round((entry["eval_loss"]["mean"] - base) / base, 4)
+                continue
             gap = (entry["eval_loss"]["mean"] - base) / base
             bound = PAIR_BOUND if row.startswith("pair-") else ONE_OF_M_BOUND
             entry["gap_vs_honest"] = round(gap, 4)
@@ -212,7 +228,7 @@ def result(settings: ByzantineBench, runs: dict[str, dict[str, Any]]) -> dict[st
         "rows": table,
         "runs": runs,
         "all_within_bound": all(
-            e.get("within_bound", True) for r, e in table.items() if r != HONEST
+            e.get("within_bound", True) for r, e in table.items() if r not in (HONEST, FEWER)
         ),
     }
 
@@ -221,10 +237,10 @@ def run(settings: ByzantineBench) -> None:
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="atoll-byzantine-") as tmp:
         for seed in settings.seeds:
-            for row, hostile in planned(settings):
+            for row, hostile, learners in planned(settings):
                 name = f"{row}/seed{seed}"
                 workdir = Path(tmp) / row / f"seed{seed}"
-                report = up(workdir, flags(settings, seed, hostile))
+                report = up(workdir, flags(settings, seed, hostile, learners))
                 runs[name] = {
                     **summarize(report),
                     "eval_loss": report["eval_loss"],
