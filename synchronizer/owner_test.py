@@ -425,6 +425,46 @@ def test_in_sync_mode_a_slot_refused_for_its_norm_does_not_stop_the_job(tmp_path
     owner.close()
 
 
+def test_an_update_first_in_a_fragments_first_round_is_clipped_against_the_round_at_sealing(
+    tmp_path: Path,
+) -> None:
+    """With no other slot's update to measure it against, an update 100 times an honest one
+    arriving first is clipped only to the warm-up bound; once its round is sealed, against
+    the two honest members beside it: to 3x (--clip-norm-ratio) their median norm, and the
+    fragment moves by the three members' mean with it so clipped."""
+    size, lr = 4000, 0.5
+    store = _store("evil", "a", "b", initialized=False)
+    owner = _owner(tmp_path, size, store=store, config=JobConfig(outer_lr=lr))
+    rng = np.random.default_rng(13)
+    start = rng.normal(scale=0.02, size=size).astype(np.float32)
+    honest = [rng.normal(scale=0.001, size=size).astype(np.float32) for _ in range(2)]
+    evil = (100.0 * rng.normal(scale=0.001, size=size)).astype(np.float32)
+
+    async def run() -> None:
+        value, state = await owner.initial_state(start)
+        assert await store.init_fragment(0, value, state)
+        await owner.load(await store.pointer(0))
+        first = _send(owner, "evil", 0, evil)
+        assert first.provisional
+        assert await owner.receive(first, 0) == ("received", 0)
+        warmup = owner.config.warmup_update_rms * math.sqrt(size)
+        assert math.isclose(first.clip * first.norm, warmup, rel_tol=1e-5)
+        for k, x in enumerate(honest, start=1):
+            assert await owner.receive(_send(owner, "ab"[k - 1], k, x), k) == ("received", 0)
+        await owner.merge(None)
+        norms = sorted(float(np.linalg.norm(x.astype(np.float64))) for x in honest)
+        bound = 3.0 * (norms[0] + norms[1]) / 2
+        assert math.isclose(first.clip * first.norm, bound, rel_tol=1e-4)
+        (entry,) = await store.log_range(0, 0, 1)
+        assert entry["clips"][0] == pytest.approx(first.clip)
+        moved = owner.committed.theta + owner.committed.residual
+        want = start - lr * (honest[0] + honest[1] + first.clip * evil) / 3
+        np.testing.assert_allclose(moved, want, atol=1e-5)
+
+    asyncio.run(run())
+    owner.close()
+
+
 def test_a_refused_update_is_taken_out_of_the_round_and_leaves_no_record(tmp_path: Path) -> None:
     """An update whose slot a newer incarnation took over is refused by the control store
     after summing: its values leave the round's sum, and the round has no member."""

@@ -16,6 +16,7 @@ import itertools
 import math
 import os
 import random
+import statistics
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 
 from services import codec as codecs
 from services.config import JobConfig
-from synchronizer.core.admission import update_weight
+from synchronizer.core.admission import step_scale, update_weight
 from synchronizer.core.merge import MergeRule, RoundSum, capped_weights
 from synchronizer.records import Chunk, NormTooLarge, Update
 from synchronizer.worker import FragmentWorker
@@ -358,10 +359,12 @@ class RoundSums:
         weights = capped_weights(
             [u.weight for u in members], [u.provisional for u in members], share
         )
+        tightened = self.clip_against_round(members)
         summed = [u for u in members if u.provisional]
         held, sealed.provisional = sealed.provisional, None
         if (
             held is not None
+            and not tightened
             and summed
             and held.taken_out <= share * min(u.weight for u in summed)
             and all(w == u.weight for u, w in zip(members, weights, strict=True) if u.provisional)
@@ -408,6 +411,30 @@ class RoundSums:
         for update in summed:
             sealed.counted(self.counted_weight(update), self.counted_norms(update), 1)
             update.chunks.clear()
+
+    def clip_against_round(self, members: list[Update]) -> bool:
+        """A provisional member began with no other slot's update to measure it against, so
+        it was clipped at most to the warm-up bound (`Guards.clip_bound`): a hostile slot
+        first in a fragment's first round merged at that bound, many times an honest update.
+        Now its round's other members are known: it is clipped to --clip-norm-ratio times the
+        median of their norms as they merge (each scaled to its inner steps), where that is
+        tighter. Whether any clip changed (their sum made as they arrived no longer holds)."""
+        changed = False
+        for update in members:
+            if not update.provisional or update.clip == 0.0 or update.norm == 0.0:
+                continue
+            others = [
+                step_scale(update.c_steps, u.c_steps) * u.norm * u.clip
+                for u in members
+                if u is not update and u.clip > 0.0
+            ]
+            if not others:
+                continue
+            bound = self.config.clip_norm_ratio * statistics.median(others)
+            if 0.0 < bound < update.norm * update.clip:
+                update.clip = bound / update.norm
+                changed = True
+        return changed
 
     def move(self, update: Update, sealed: RoundSum, cap: float | None = None) -> None:
         """Chunks summed into a round being merged (or its provisional sum) go to the
