@@ -17,6 +17,26 @@ from synchronizer.store.tensors import TensorStore
 from synchronizer.summing import RoundSums
 
 
+def _state(tmp_path: Path, config: JobConfig, sums: RoundSums) -> FragmentState:
+    """Fragment 0 of `sums`' size, its value all ones, stepped on `sums`' worker."""
+    state = FragmentState(
+        fragment=0,
+        size=sums.size,
+        epoch=1,
+        replica="r",
+        fragments=1,
+        config=config,
+        store=None,  # type: ignore[arg-type]  # a step touches no store
+        tensors=TensorStore(str(tmp_path)),
+        tape=Tape(None, "r"),
+        ahead=sums.ahead,
+    )
+    state.theta = np.ones(sums.size, np.float32)
+    state.residual = np.zeros(sums.size, np.float32)
+    state.state = state.optimizer.init(state.theta)
+    return state
+
+
 @pytest.fixture
 def summed_rule() -> Iterator[str]:
     """A merge rule that is not shipped, written as a new rule is: one class over the shared
@@ -53,21 +73,7 @@ def test_a_new_merge_rule_registers_by_name_and_merges_through_the_owners_sums_a
     )
     config = JobConfig(outer_lr=0.5)
     sums = RoundSums(0, size, (size,), rule, config)
-    state = FragmentState(
-        fragment=0,
-        size=size,
-        epoch=1,
-        replica="r",
-        fragments=1,
-        config=config,
-        store=None,  # type: ignore[arg-type]  # a step touches no store
-        tensors=TensorStore(str(tmp_path)),
-        tape=Tape(None, "r"),
-        ahead=sums.ahead,
-    )
-    state.theta = np.ones(size, np.float32)
-    state.residual = np.zeros(size, np.float32)
-    state.state = state.optimizer.init(state.theta)
+    state = _state(tmp_path, config, sums)
     codec = codecs.by_name("fp32")
     rng = np.random.default_rng(0)
     deltas = [rng.normal(size=size).astype(np.float32) for _ in range(2)]
@@ -102,21 +108,7 @@ def test_the_direction_is_kept_only_from_a_round_with_no_clipped_member(tmp_path
     size = 256
     config = JobConfig()
     sums = RoundSums(0, size, (size,), REGISTRY[config.merge], config)
-    state = FragmentState(
-        fragment=0,
-        size=size,
-        epoch=1,
-        replica="r",
-        fragments=1,
-        config=config,
-        store=None,  # type: ignore[arg-type]  # a step touches no store
-        tensors=TensorStore(str(tmp_path)),
-        tape=Tape(None, "r"),
-        ahead=sums.ahead,
-    )
-    state.theta = np.ones(size, np.float32)
-    state.residual = np.zeros(size, np.float32)
-    state.state = state.optimizer.init(state.theta)
+    state = _state(tmp_path, config, sums)
     codec = codecs.by_name("fp32")
     rng = np.random.default_rng(1)
 
