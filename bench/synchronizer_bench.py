@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,12 @@ class SynchronizerBench(Output):
     clients: int = Field(3, ge=1, le=16, description="concurrent learner clients")
     seconds: float = Field(10.0, gt=0.0, description="seconds each measurement streams")
     fragment_mib: float = Field(4.0, gt=0.0, description="encoded int8 update size in MiB")
+    pin: bool = Field(
+        False,
+        description="pin the processes measured (the replica and its Redis, the sinks) to the "
+        "first half of this machine's cores and the clients to the rest, so that clients "
+        "do not take the replica's cores (on two cores: one each)",
+    )
 
     def cli_cmd(self) -> None:
         run(self)
@@ -78,6 +84,28 @@ class SynchronizerBench(Output):
 
 SERVICE = "atoll.v1.Synchronizer"
 IN_FLIGHT = 8  # updates each client keeps in flight (a learner never waits for acks)
+
+
+def split_cores(pin: bool) -> tuple[frozenset[int], frozenset[int]] | None:
+    """With `pin`, (the servers' cores, the clients' cores): the first half of the cores this
+    process may run on (at least one) and the rest; None without `pin` or with one core."""
+    if not pin:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    half = max(1, len(cores) // 2)
+    return frozenset(cores[:half]), frozenset(cores[half:])
+
+
+def _pin(pids: Iterable[int], cores: frozenset[int] | None) -> None:
+    """Every thread of each process onto `cores` (a process's threads keep their own masks)."""
+    if cores is None:
+        return
+    for pid in pids:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(task), cores)
 
 
 def _values_for(mib: float) -> int:
@@ -109,9 +137,15 @@ class Client:
     session: str = ""
     values: int = 0  # the fragment's values (the control session's parameter spec)
     redis_url: str = ""  # "ingest": the job's Redis, where its learners' leases are taken
+    cores: frozenset[int] | None = None  # where the client runs (None: anywhere)
 
 
-def _run_clients(clients: list[Client], seconds: float, servers: dict[str, int]) -> Measured:
+def _run_clients(
+    clients: list[Client],
+    seconds: float,
+    servers: dict[str, int],
+    cores: frozenset[int] | None = None,
+) -> Measured:
     """Run each client in a process of its own, as learners are, all streaming for the same
     `seconds` once every one is ready: total payload MB/s, and the CPU ms a MB of each
     server process (by name: its pid) and of the client processes together (`clients`)."""
@@ -127,6 +161,7 @@ def _run_clients(clients: list[Client], seconds: float, servers: dict[str, int])
             process.start()
         for _ in clients:
             _answer(ready.get(timeout=120))
+        _pin(servers.values(), cores)  # every thread they have started by now
         cpu0 = {name: cpu_seconds(pid) for name, pid in servers.items()}
         start = time.monotonic()
         go.set()
@@ -168,6 +203,8 @@ def _client_process(
 ) -> None:
     """A client process: ready (its control session said hello), then stream until
     `seconds` after the go; puts (payload bytes acknowledged, CPU seconds it spent)."""
+    if client.cores is not None:  # before any thread starts: they inherit it
+        os.sched_setaffinity(0, client.cores)
     # What `atoll` sets up in each of its processes (atoll/cli.py): a learner's are too.
     watch_parent(parent=os.getppid())  # the benchmark was killed: stop too
     reuse_large_buffers()
@@ -317,8 +354,11 @@ BODIES: dict[str, Callable[[Client, float], int]] = {
 }
 
 
+Cores = tuple[frozenset[int], frozenset[int]] | None  # (servers', clients'): `split_cores`
+
+
 def measure_ingest(
-    workdir: Path, clients: int, seconds: float, n: int, merging: bool = False
+    workdir: Path, clients: int, seconds: float, n: int, merging: bool = False, cores: Cores = None
 ) -> Measured:
     """Payload MB/s the synchronizer acknowledges as received. Rounds are held open (sync
     mode waiting for one learner more than there are) unless `merging`: then they merge at
@@ -354,11 +394,15 @@ def measure_ingest(
             # Each update is a learner's own (one update per learner in a round).
             assert redis_server.process is not None
             servers = {"replica": sync.pid, "redis": redis_server.process.pid}
+            mine, theirs = cores or (None, None)
             parts = [
-                Client("ingest", i, owner, static, payload_bytes, sync.address, n, redis_server.url)
+                Client(
+                    "ingest", i, owner, static, payload_bytes, sync.address, n, redis_server.url,
+                    theirs,
+                )
                 for i in range(clients)
-            ]
-            return _run_clients(parts, seconds, servers)
+            ]  # fmt: skip
+            return _run_clients(parts, seconds, servers, mine)
         finally:
             sync.stop()
 
@@ -388,6 +432,7 @@ def measure_raw(
     payload_bytes: int,
     per_call: bool = False,
     summing: int = 0,
+    cores: Cores = None,
 ) -> Measured:
     """Payload MB/s into the raw sink: each client streaming payloads on one call, IN_FLIGHT
     acks outstanding; or, `per_call`, IN_FLIGHT calls of one payload each at a time. With
@@ -413,34 +458,44 @@ def measure_raw(
             chunks, payload_bytes = _update_chunks(summing)
         else:
             chunks = _chunks(payload_bytes)
-        parts = [Client(kind, i, address, chunks, payload_bytes) for i in range(clients)]
-        return _run_clients(parts, seconds, {"raw_sink": sink.pid})
+        mine, theirs = cores or (None, None)
+        parts = [
+            Client(kind, i, address, chunks, payload_bytes, cores=theirs) for i in range(clients)
+        ]
+        return _run_clients(parts, seconds, {"raw_sink": sink.pid}, mine)
     finally:
         sink.stop()
 
 
-def measure_store(workdir: Path, clients: int, seconds: float, payload_bytes: int) -> float:
+def measure_store(
+    workdir: Path, clients: int, seconds: float, payload_bytes: int, cores: Cores = None
+) -> float:
     with RedisServer(workdir / "redis-alone") as redis_server:
         chunks = _chunks(payload_bytes)
+        mine, theirs = cores or (None, None)
         parts = [
-            Client("store", i, redis_server.url, chunks, payload_bytes) for i in range(clients)
+            Client("store", i, redis_server.url, chunks, payload_bytes, cores=theirs)
+            for i in range(clients)
         ]
-        return _run_clients(parts, seconds, {}).mb_s
+        assert redis_server.process is not None
+        return _run_clients(parts, seconds, {"redis": redis_server.process.pid}, mine).mb_s
 
 
 def run(settings: SynchronizerBench) -> None:
     n = _values_for(settings.fragment_mib)
     payload_bytes = len(codecs.by_name("int8").encode(np.zeros(n, np.float32), 256))
+    cores = split_cores(settings.pin)
+    clients, seconds = settings.clients, settings.seconds
     with tempfile.TemporaryDirectory(prefix="atoll-bench-") as tmp:
         workdir = Path(tmp)
-        ingest = measure_ingest(workdir, settings.clients, settings.seconds, n)
-        merging = measure_ingest(workdir, settings.clients, settings.seconds, n, merging=True)
-        raw = measure_raw(workdir, settings.clients, settings.seconds, payload_bytes)
-        floor = measure_raw(workdir, settings.clients, settings.seconds, 0, summing=n)
+        ingest = measure_ingest(workdir, clients, seconds, n, cores=cores)
+        merging = measure_ingest(workdir, clients, seconds, n, merging=True, cores=cores)
+        raw = measure_raw(workdir, clients, seconds, payload_bytes, cores=cores)
+        floor = measure_raw(workdir, clients, seconds, 0, summing=n, cores=cores)
         raw_calls = measure_raw(
-            workdir, settings.clients, settings.seconds, payload_bytes, per_call=True
+            workdir, clients, seconds, payload_bytes, per_call=True, cores=cores
         )
-        store = measure_store(workdir, settings.clients, settings.seconds, payload_bytes)
+        store = measure_store(workdir, clients, seconds, payload_bytes, cores=cores)
     result = {
         "clients": settings.clients,
         "seconds": settings.seconds,
@@ -453,6 +508,12 @@ def run(settings: SynchronizerBench) -> None:
         "raw_per_call_mb_s": round(raw_calls.mb_s, 2),
         "floor_mb_s": round(floor.mb_s, 2),
         "floor_ratio": round(floor.mb_s / raw.mb_s, 3) if raw.mb_s else 0.0,
+        # The replica against the floor: what its admission path costs over hashing and
+        # summing alone (rounds held open).
+        "ingest_of_floor": round(ingest.mb_s / floor.mb_s, 3) if floor.mb_s else 0.0,
+        "pinned": None
+        if cores is None
+        else {"servers": sorted(cores[0]), "clients": sorted(cores[1])},
         "store_mb_s": round(store, 2),
         "store_ratio": round(ingest.mb_s / store, 3) if store else 0.0,
         "cpu_ms_per_mb": {

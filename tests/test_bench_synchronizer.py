@@ -4,6 +4,7 @@ sink, and client processes of their own, with every figure of the report measure
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def test_the_synchronizer_bench_measures_each_part_with_client_processes(
             "1.5",
             "--fragment-mib",
             "0.5",
+            "--pin",
             "--json",
             str(out),
         ],
@@ -51,6 +53,16 @@ def test_the_synchronizer_bench_measures_each_part_with_client_processes(
     assert report["merging_ratio"] == pytest.approx(
         report["merging_mb_s"] / report["raw_grpc_mb_s"], abs=2e-3
     )
+    assert report["ingest_of_floor"] == pytest.approx(
+        report["ingest_mb_s"] / report["floor_mb_s"], abs=2e-3
+    )
+    cores = os.sched_getaffinity(0)
+    if len(cores) >= 2:  # servers on the first half of the cores, clients on the rest
+        pinned = report["pinned"]
+        assert pinned["servers"]
+        assert pinned["clients"]
+        assert not set(pinned["servers"]) & set(pinned["clients"])
+        assert set(pinned["servers"]) | set(pinned["clients"]) == cores
     cpu = report["cpu_ms_per_mb"]
     assert report["floor_ratio"] == pytest.approx(
         report["floor_mb_s"] / report["raw_grpc_mb_s"], abs=2e-3
