@@ -297,6 +297,23 @@ class Blockwise:
             scale_blocks(values, scales[start // block_size :], block_size, values)
             yield start, values
 
+    def decode_range(
+        self, payload: Payload, n: int, block_size: int, start: int, stop: int
+    ) -> np.ndarray:
+        """Values [start, stop) of a payload of n values, decoded as `decode` decodes them,
+        without decoding the rest; `start` a multiple of block_size and of the codes a
+        byte (ValueError otherwise)."""
+        if start % block_size or start % self.per_byte or not 0 <= start < stop <= n:
+            raise ValueError(
+                f"values [{start}, {stop}) of {n} do not start on a {self.what} block "
+                f"of {block_size}"
+            )
+        scales, body = self.parts(payload, n, block_size)
+        scratch = _Scratch(stop - start + self.per_byte)
+        values = self._levels(body, start, stop, scratch, scratch.f32)
+        scale_blocks(values, scales[start // block_size :], block_size, values)
+        return values
+
     def decode(self, payload: Payload, n: int, block_size: int) -> np.ndarray:
         scales, body = self.parts(payload, n, block_size)
         fused = self._fused(block_size)
