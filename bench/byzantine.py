@@ -3,17 +3,16 @@ model, against the all-honest run of the same seeds.
 
 Every run is the CPU quality bench's (`atoll bench quality`'s defaults: its model, M=4
 learners on one token stream, its H, P and codec; sync, or decoupled with `--mode
-decoupled`),
-through `atoll up` with the job's defences as shipped (the default quorum, clipping to a
-multiple of the median norm of recent accepted updates, the warm-up bound, the direction,
-shrink and size drops). A hostile learner (`atoll up --hostile`,
+decoupled`), through `atoll up` with the job's defences as shipped (the default quorum,
+clipping to a multiple of the median norm of recent accepted updates, the warm-up bound, the
+direction, shrink and size drops). A hostile learner (`atoll up --hostile`,
 `learner/hostile.py`) trains as usual and sends a corrupted update every round it can:
 
 - one of M for each `--variants` kind (sign-flip, x100, random, replace);
 - a colluding pair (two of M) of the `--colluding` kind;
 - M-1 honest learners and no hostile one (`honest-fewer`): a hostile slot's share of the text
-  is lost whatever the defence, so this row is what a perfect defence against one would
-  leave.
+  is lost whatever the defence. For comparison, not a floor: runs this short move with which
+  learners' text they see (docs/security.md).
 
 Each row runs once per seed; the result gives each row's final eval loss (mean, min, max,
 spread) and its gap to the honest row's mean, its bytes and goodput. The issue's bar: within
@@ -44,7 +43,7 @@ from bench.runs import up, write
 from learner.hostile import HOSTILITIES, Hostility
 
 HONEST = "honest"
-FEWER = "honest-fewer"  # M-1 honest learners, no hostile one: what a perfect defence leaves
+FEWER = "honest-fewer"  # M-1 honest learners, no hostile one: a reference, not an attack
 ONE_OF_M_BOUND = 0.02  # the issue's bar: one hostile learner of four
 PAIR_BOUND = 0.05  # a colluding pair of four
 
@@ -73,9 +72,8 @@ class ByzantineBench(Model, Output):
     )
     fewer: bool = Field(
         True,
-        description="also run M-1 honest learners and no hostile one (row honest-fewer): "
-        "what a defence that drops every hostile update leaves, the hostile slot's share of "
-        "the text being lost whatever the defence",
+        description="also run M-1 honest learners and no hostile one (row honest-fewer), "
+        "for comparison: a hostile slot's share of the text is lost whatever the defence",
     )
     seeds: list[int] = Field(
         [0, 1], min_length=1, description="seeds: every row runs once per seed"
@@ -209,12 +207,11 @@ def result(settings: ByzantineBench, runs: dict[str, dict[str, Any]]) -> dict[st
         for row, entry in table.items():
             if row == HONEST:
                 continue
-            if row == FEWER:  # a reference, not an attack: no bound
-                entry["gap_vs_honest"] = round((entry["eval_loss"]["mean"] - base) / base, 4)
-                continue
             gap = (entry["eval_loss"]["mean"] - base) / base
-            bound = PAIR_BOUND if row.startswith("pair-") else ONE_OF_M_BOUND
             entry["gap_vs_honest"] = round(gap, 4)
+            if row == FEWER:  # a reference, not an attack: no bound
+                continue
+            bound = PAIR_BOUND if row.startswith("pair-") else ONE_OF_M_BOUND
             entry["within_bound"] = bool(entry["finite"] and gap <= bound)
             entry["bound"] = bound
     return {

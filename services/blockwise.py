@@ -297,13 +297,18 @@ class Blockwise:
             scale_blocks(values, scales[start // block_size :], block_size, values)
             yield start, values
 
+    def starts_block(self, start: int, block_size: int) -> bool:
+        """Whether value `start` begins a block and a byte of codes: where `decode_range`
+        may begin."""
+        return start % block_size == 0 and start % self.per_byte == 0
+
     def decode_range(
         self, payload: Payload, n: int, block_size: int, start: int, stop: int
     ) -> np.ndarray:
         """Values [start, stop) of a payload of n values, decoded as `decode` decodes them,
         without decoding the rest; `start` a multiple of block_size and of the codes a
         byte (ValueError otherwise)."""
-        if start % block_size or start % self.per_byte or not 0 <= start < stop <= n:
+        if not self.starts_block(start, block_size) or not 0 <= start < stop <= n:
             raise ValueError(
                 f"values [{start}, {stop}) of {n} do not start on a {self.what} block "
                 f"of {block_size}"

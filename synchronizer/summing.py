@@ -16,7 +16,6 @@ import itertools
 import math
 import os
 import random
-import statistics
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,8 +24,9 @@ import numpy as np
 
 from services import codec as codecs
 from services.config import JobConfig
-from synchronizer.core.admission import step_scale, update_weight
+from synchronizer.core.admission import others_norm, update_weight
 from synchronizer.core.merge import MergeRule, RoundSum, capped_weights
+from synchronizer.core.recent import Recent
 from synchronizer.records import Chunk, NormTooLarge, Update
 from synchronizer.worker import FragmentWorker
 
@@ -36,7 +36,7 @@ STEP_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_pref
 MAX_WEIGHTED_VALUE = 1e37  # weight x value beyond this would overflow the float32 sum
 
 # The values of an update read for its agreement with the fragment's last merged outer
-# gradient (`RoundSums.agreement`): whole chunks drawn at random until this many.
+# gradient and with the fragment's own values (`RoundSums.agreement`).
 AGREEMENT_SAMPLE = 1 << 18
 # The sample is read as windows of this many values (whole blocks of every blockwise codec
 # at the block sizes in use), drawn at random over the update: decoding only them costs a
@@ -428,20 +428,21 @@ class RoundSums:
         Now its round's other members are known: it is clipped to --clip-norm-ratio times the
         median of their norms as they merge (each scaled to its inner steps), where that is
         tighter. Whether any clip changed (their sum made as they arrived no longer holds)."""
+        norms = Recent()  # the round's members' norms as they merge, as the history keeps them
+        for u in members:
+            if u.clip > 0.0:
+                norms.set(u.learner, u.norm * u.clip, u.c_steps)
         changed = False
         for update in members:
             if not update.provisional or update.clip == 0.0 or update.norm == 0.0:
                 continue
-            others = [
-                step_scale(update.c_steps, u.c_steps) * u.norm * u.clip
-                for u in members
-                if u is not update and u.clip > 0.0
-            ]
-            if not others:
+            median = others_norm(norms, update.learner, update.c_steps)
+            if median is None:
                 continue
-            bound = self.config.clip_norm_ratio * statistics.median(others)
+            bound = self.config.clip_norm_ratio * median  # as `Guards.clip_bound`
             if 0.0 < bound < update.norm * update.clip:
                 update.clip = bound / update.norm
+                norms.set(update.learner, bound, update.c_steps)  # the next member sees it so
                 changed = True
         return changed
 
@@ -498,12 +499,7 @@ def _window(
     """Values [start, stop) of a segment of `update`: decoded alone where its codec can
     (blockwise, the window on whole blocks), else from the segment decoded whole once."""
     blockwise, block_size = update.codec.blockwise, update.block_size
-    if (
-        blockwise is not None
-        and block_size > 0
-        and start % block_size == 0
-        and start % blockwise.per_byte == 0
-    ):
+    if blockwise is not None and block_size > 0 and blockwise.starts_block(start, block_size):
         return blockwise.decode_range(segment.data, segment.count, block_size, start, stop)
     key = id(segment)
     if key not in decoded:

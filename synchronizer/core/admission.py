@@ -453,6 +453,13 @@ def step_scale(steps: int, reference_steps: int) -> float:
     return math.sqrt(x) if x < 1.0 else min(x, MAX_STEP_SPAN)
 
 
+def others_norm(norms: Recent, learner: str, steps: int) -> float | None:
+    """The median of the other learners' norms in `norms` (kept under the inner steps each
+    covered), each scaled to an update of `steps` steps (`step_scale`): what the bounds on
+    an update of `learner` are multiples of. None if there are no others."""
+    return norms.median_of_others(learner, lambda s: step_scale(steps, s))
+
+
 def claimed_norm(norms: Sequence[float]) -> float:
     """The L2 norm an update's per-tensor norms add up to."""
     return math.sqrt(sum(float(n) ** 2 for n in norms))
@@ -492,7 +499,7 @@ class Guards:
         alone on a fragment raise its own bar tenfold with every update."""
         ratio = self.config.max_update_norm_ratio
         size = max(self.theta_norm, REFERENCE_RMS * math.sqrt(self.size))
-        median = self.norms.median_of_others(learner, lambda s: step_scale(steps, s))
+        median = others_norm(self.norms, learner, steps)
         if median is not None:
             return max(ratio * median, size)
         return ratio * size
@@ -505,7 +512,7 @@ class Guards:
         honest one that outgrows them a little is clipped, `clip_bound`), and one of the
         fragment's own size (a slot replacing it) would otherwise merge clipped every round,
         its direction kept. None while no other slot has history: the warm-up bound clips."""
-        median = self.norms.median_of_others(learner, lambda s: step_scale(steps, s))
+        median = others_norm(self.norms, learner, steps)
         return self.config.max_update_norm_ratio * median if median else None
 
     def clip_bound(self, learner: str, steps: int) -> float:
@@ -518,7 +525,7 @@ class Guards:
         entries sit above the median. With no other slot's (the fragment's first update, or
         a slot alone on it): --warmup-update-rms per value, never a multiple of the
         fragment's own norm, which let one update replace the fragment."""
-        median = self.norms.median_of_others(learner, lambda s: step_scale(steps, s))
+        median = others_norm(self.norms, learner, steps)
         if median:  # None, or others that sent nothing: the warm-up bound
             return self.config.clip_norm_ratio * median
         return self.config.warmup_update_rms * math.sqrt(self.size)
