@@ -169,8 +169,8 @@ class JobConfig(BaseModel):
         "steps (square root for fewer, linear for more, at most 8x), or the fragment's own "
         "norm if larger, is refused (with none yet: this many times the fragment's own norm); "
         "one under that floor but over this many times the median is merged at no weight "
-        "once whole (recorded, its round's step not cut for it); one within it is scaled "
-        "down by --clip-norm-ratio",
+        "once whole (recorded; its round's step is cut as if its slot sent nothing); one "
+        "within it is scaled down by --clip-norm-ratio",
     )
     initializer: str = Field(
         "",

@@ -299,8 +299,8 @@ class FragmentOwner:
         """Measure a whole update's agreement with the fragment's last merged outer gradient
         and with the fragment's own values, in one sampled pass; below
         --min-update-agreement, or over --max-shrink-agreement (it moves the fragment toward
-        zero), take it out of its sum: it is recorded and counts as its round's member (the
-        round's step is not cut for it), at no weight. The direction is not checked before
+        zero), take it out of its sum: it is recorded and counts as its round's member at no
+        weight, standing for nothing (`live_round_scale`). The direction is not checked before
         this owner's first merge; the shrink is, from the fragment's first update on. Only
         toward zero: early in training honest updates grow the fragment (their agreement
         with it reaches -0.5 on the byzantine bench), and an update that grows it more than
@@ -331,11 +331,14 @@ class FragmentOwner:
             await self._drop(update, "norm", norm=update.norm, bound=bound)
 
     async def _drop(self, update: Update, reason: str, **why: float) -> None:
-        """Take a whole update out of its sum: recorded, a member of its round (whose step
-        is not cut for it), merged at no weight (its clip 0). `reason`: direction, shrink or
-        norm."""
+        """Take a whole update out of its sum: recorded, a member of its round that stands
+        for nothing (`live_round_scale`), merged at no weight (its clip 0). `reason`:
+        direction, shrink or norm."""
         await self.sums.ahead(self.sums.take_out, update)
         update.clip = 0.0
+        self._count_drop(update, reason, **why)
+
+    def _count_drop(self, update: Update, reason: str, **why: float) -> None:
         tm.UPDATES_DROPPED.labels(reason=reason).inc()
         log.info(
             "update_dropped", fragment=self.fragment, learner=update.learner, reason=reason, **why
@@ -481,8 +484,8 @@ class FragmentOwner:
         """The sealed round's provisional weights settled and summed in, then its step
         committed (`FragmentState.commit`); the next round opens."""
         started = time.monotonic()
-        scale = live_round_scale({u.learner for u in updates}, live_learners)
         claimed = {u: u.weight for u in updates if u.provisional}
+        clips = {u: u.clip for u in claimed}
         phases = Phases()
         if claimed:
             await self.sums.ahead(self.sums.sum_provisional, updates, sealed)
@@ -494,6 +497,23 @@ class FragmentOwner:
                     )
                 if self.guards.weights.get(u.learner) == weight:  # not a newer one's since
                     self.guards.weights.set(u.learner, u.weight)
+        for u in claimed:  # clipped again at sealing (`clip_against_round`)?
+            if u.clip == clips[u]:
+                continue
+            if u.clip == 0.0:
+                self._count_drop(u, "norm", norm=u.norm)
+            if self.guards.norms.get(u.learner) != u.norm * clips[u]:
+                continue  # a newer update of its slot's norm is kept since
+            if u.clip > 0.0:
+                self.guards.norms.set(u.learner, u.norm * u.clip, u.c_steps)
+            else:
+                self.guards.norms.discard(u.learner)  # a dropped one moves no bar
+        # After the provisional members settled: one may have been dropped at sealing.
+        scale = live_round_scale(
+            {u.learner for u in updates},
+            live_learners,
+            dropped={u.learner for u in updates if u.clip == 0.0},
+        )
         await self.committed.commit(updates, sealed, scale, ready, phases, started)
         self.times.reopen(time.monotonic())
 

@@ -358,7 +358,9 @@ def test_an_update_shrinking_the_fragment_merges_at_no_weight_from_its_first_rou
     0.99 times the fragment (a slot replacing it with a small vector) agrees with the
     fragment's own signs at about 1: it is recorded and merges at no weight; an honest
     update beside it agrees at about 0 and takes its full step. One that grows the fragment
-    (-5 times it) is not judged by its shrink (honest ones grow it early in training)."""
+    (-5 times it) is not judged by its shrink (honest ones grow it early in training): the
+    warm-up bound clips it, and at sealing, 100 times the honest member beside it, it is
+    dropped for its norm (over --max-update-norm-ratio times the round's other members)."""
     size, lr = 4000, 0.5
     store = _store("honest", "shrink", "grow", initialized=False)
     owner = _owner(tmp_path, size, store=store, config=JobConfig(outer_lr=lr))
@@ -385,11 +387,12 @@ def test_an_update_shrinking_the_fragment_merges_at_no_weight_from_its_first_rou
         assert 0.0 < sent["grow"].clip < 1.0  # the warm-up bound, 0.05 per value, clips it
         assert sent["honest"].clip == 1.0
         await owner.merge(None)
+        assert sent["grow"].clip == 0.0
         (entry,) = await store.log_range(0, 0, 1)
         assert entry["learners"] == ["shrink", "grow", "honest"]  # members, all three
+        assert entry["clips"] == [0.0, 0.0, 1.0]
         moved = owner.committed.theta + owner.committed.residual
-        clipped = sent["grow"].clip * grow
-        np.testing.assert_allclose(moved, start - lr * (honest + clipped) / 2, atol=1e-6)
+        np.testing.assert_allclose(moved, start - lr * honest, atol=1e-6)
 
     asyncio.run(run())
     owner.close()
@@ -428,10 +431,50 @@ def test_in_sync_mode_a_slot_refused_for_its_norm_does_not_stop_the_job(tmp_path
 def test_an_update_first_in_a_fragments_first_round_is_clipped_against_the_round_at_sealing(
     tmp_path: Path,
 ) -> None:
-    """With no other slot's update to measure it against, an update 100 times an honest one
+    """With no other slot's update to measure it against, an update 5 times an honest one
     arriving first is clipped only to the warm-up bound; once its round is sealed, against
     the two honest members beside it: to 3x (--clip-norm-ratio) their median norm, and the
     fragment moves by the three members' mean with it so clipped."""
+    size, lr = 4000, 0.5
+    store = _store("evil", "a", "b", initialized=False)
+    owner = _owner(tmp_path, size, store=store, config=JobConfig(outer_lr=lr))
+    rng = np.random.default_rng(13)
+    start = rng.normal(scale=0.02, size=size).astype(np.float32)
+    honest = [rng.normal(scale=0.001, size=size).astype(np.float32) for _ in range(2)]
+    evil = (5.0 * rng.normal(scale=0.001, size=size)).astype(np.float32)
+
+    async def run() -> None:
+        value, state = await owner.initial_state(start)
+        assert await store.init_fragment(0, value, state)
+        await owner.load(await store.pointer(0))
+        first = _send(owner, "evil", 0, evil)
+        assert first.provisional
+        assert await owner.receive(first, 0) == ("received", 0)
+        assert first.clip == 1.0  # within the warm-up bound
+        for k, x in enumerate(honest, start=1):
+            assert await owner.receive(_send(owner, "ab"[k - 1], k, x), k) == ("received", 0)
+        await owner.merge(None)
+        norms = sorted(float(np.linalg.norm(x.astype(np.float64))) for x in honest)
+        bound = 3.0 * (norms[0] + norms[1]) / 2
+        assert math.isclose(first.clip * first.norm, bound, rel_tol=1e-4)
+        (entry,) = await store.log_range(0, 0, 1)
+        assert entry["clips"][0] == pytest.approx(first.clip)
+        moved = owner.committed.theta + owner.committed.residual
+        want = start - lr * (honest[0] + honest[1] + first.clip * evil) / 3
+        np.testing.assert_allclose(moved, want, atol=1e-5)
+
+    asyncio.run(run())
+    owner.close()
+
+
+def test_an_update_first_in_a_fragments_first_round_far_over_the_round_is_dropped_at_sealing(
+    tmp_path: Path,
+) -> None:
+    """An update 100 times an honest one arriving first is clipped only to the warm-up bound;
+    once its round is sealed it is over --max-update-norm-ratio (10) times the median of the
+    two honest members beside it, and merges at no weight, standing for nothing: the
+    fragment moves by the honest pair's mean at 2/3 of a step (three live slots). Clipped to
+    3x the others instead, it merged as three times an honest update."""
     size, lr = 4000, 0.5
     store = _store("evil", "a", "b", initialized=False)
     owner = _owner(tmp_path, size, store=store, config=JobConfig(outer_lr=lr))
@@ -451,14 +494,14 @@ def test_an_update_first_in_a_fragments_first_round_is_clipped_against_the_round
         assert math.isclose(first.clip * first.norm, warmup, rel_tol=1e-5)
         for k, x in enumerate(honest, start=1):
             assert await owner.receive(_send(owner, "ab"[k - 1], k, x), k) == ("received", 0)
-        await owner.merge(None)
-        norms = sorted(float(np.linalg.norm(x.astype(np.float64))) for x in honest)
-        bound = 3.0 * (norms[0] + norms[1]) / 2
-        assert math.isclose(first.clip * first.norm, bound, rel_tol=1e-4)
+        await owner.merge(frozenset({"evil", "a", "b"}))
+        assert first.clip == 0.0
+        assert "evil" not in owner.guards.norms  # a dropped one moves no bar
         (entry,) = await store.log_range(0, 0, 1)
-        assert entry["clips"][0] == pytest.approx(first.clip)
+        assert entry["clips"][0] == 0.0
+        assert entry["scale"] == pytest.approx(2 / 3)
         moved = owner.committed.theta + owner.committed.residual
-        want = start - lr * (honest[0] + honest[1] + first.clip * evil) / 3
+        want = start - lr * (2 / 3) * (honest[0] + honest[1]) / 2
         np.testing.assert_allclose(moved, want, atol=1e-5)
 
     asyncio.run(run())

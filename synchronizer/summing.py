@@ -427,7 +427,9 @@ class RoundSums:
         first in a fragment's first round merged at that bound, many times an honest update.
         Now its round's other members are known: it is clipped to --clip-norm-ratio times the
         median of their norms as they merge (each scaled to its inner steps), where that is
-        tighter. Whether any clip changed (their sum made as they arrived no longer holds)."""
+        tighter, and merged at no weight (its clip 0, as `Guards.drop_bound`) where it is
+        over --max-update-norm-ratio times that median: it carries no honest progress worth
+        keeping. Whether any clip changed (their sum made as they arrived no longer holds)."""
         norms = Recent()  # the round's members' norms as they merge, as the history keeps them
         for u in members:
             if u.clip > 0.0:
@@ -438,6 +440,11 @@ class RoundSums:
                 continue
             median = others_norm(norms, update.learner, update.c_steps)
             if median is None:
+                continue
+            if update.norm * update.clip > self.config.max_update_norm_ratio * median:
+                update.clip = 0.0  # as `Guards.drop_bound`: counted at no weight
+                norms.discard(update.learner)
+                changed = True
                 continue
             bound = self.config.clip_norm_ratio * median  # as `Guards.clip_bound`
             if 0.0 < bound < update.norm * update.clip:

@@ -86,6 +86,10 @@ class Recent:
                 del self._runs[old[1]]
         return old
 
+    def discard(self, learner: str) -> None:
+        """Forget `learner`'s value, if any."""
+        self._drop(learner)
+
     def get(self, learner: str) -> float | None:
         old = self._by.get(learner)
         return None if old is None else old[0]

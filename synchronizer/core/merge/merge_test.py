@@ -218,6 +218,11 @@ def test_a_round_steps_by_the_live_learners_it_stands_for() -> None:
     assert live_round_scale({"l0"}, frozenset()) == 1.0
     assert live_round_scale({"l0", "l1"}, frozenset({"l0", "l1", "l2", "l3"})) == 0.5
     assert live_round_scale({"l0"}, None) == 1.0  # --partial-rounds full
+    # A dropped member stands for nothing: beside one honest member, of four live, the
+    # round is a quarter step (the honest update's own share), not half.
+    live = frozenset({"l0", "l1", "l2", "l3"})
+    assert live_round_scale({"l0", "l3"}, live, dropped={"l3"}) == 0.25
+    assert live_round_scale({"l3"}, live, dropped={"l3"}) == 0.0
 
 
 def test_the_merge_settings_choices_are_the_registrys_rules() -> None:

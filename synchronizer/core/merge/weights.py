@@ -49,14 +49,21 @@ def partial_round_scale(contributors: int, live_learners: int) -> float:
     return min(1.0, contributors / max(1, live_learners))
 
 
-def live_round_scale(members: AbstractSet[str], live: AbstractSet[str] | None) -> float:
+def live_round_scale(
+    members: AbstractSet[str],
+    live: AbstractSet[str] | None,
+    dropped: AbstractSet[str] = frozenset(),
+) -> float:
     """A round's step as a share of a full one: its member slots over the live learners it
     stands for (`partial_round_scale`), its members counted among them (each was live when
     admitted; one that left since still takes only its share). None: full rounds. Never a
-    full step for a member beside live learners outside the round."""
+    full step for a member beside live learners outside the round. A `dropped` member (its
+    update merged at no weight) contributes nothing, as a live learner that sent nothing:
+    counting it would scale the others' mean up to its share, so that a hostile slot whose
+    every update is dropped would double the step of an honest update it joins alone."""
     if live is None:
         return 1.0
-    return partial_round_scale(len(members), len(live | members))
+    return partial_round_scale(len(members - dropped), len(live | members))
 
 
 def tensor_norms(values: np.ndarray, segments: Sequence[int]) -> list[float]:
