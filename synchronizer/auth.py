@@ -122,6 +122,7 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         shared_token: str | None,
         anonymous: bool,
         max_fetches: int = 2,
+        pool_size: int = 0,
     ) -> None:
         self.prefix = f"/{service}/"
         self.mtls, self.tokens, self.anonymous = mtls, tokens or {}, anonymous
@@ -129,6 +130,10 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         # Ingest: per slot, in its handler. A learner follows each replica once (one more
         # while a broken call ends).
         self.limits = {"FetchState": max_fetches, "Follow": MAX_FOLLOWS}
+        # A credential of several slots (a pool's certificate, the job's shared token) has
+        # its state fetches counted over all its connections too, at its pool's share: one
+        # credential's many connections once each ran their own limit. 0: per connection.
+        self.pool_fetches = max_fetches * pool_size
         self.in_flight: Counter[tuple[str, str]] = Counter()
 
     # --- who is it --------------------------------------------------------------------
@@ -201,7 +206,7 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             response_serializer=handler.response_serializer,
         )
 
-    async def _enter(self, name: str, metadata: tuple[Any, ...], context: Any) -> tuple[str, str]:
+    async def _enter(self, name: str, metadata: tuple[Any, ...], context: Any) -> tuple[str, ...]:
         try:
             identity = self.identify(metadata, context)
         except AuthError as err:
@@ -210,7 +215,9 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         CALLER.set(identity)
         # Counted per connection: learners sharing one credential (a pool's certificate, the
         # job's token) do not share one limit. State fetches of a credential of one slot are
-        # counted per slot, whatever connections they come on (10 connections once ran 20).
+        # counted per slot, whatever connections they come on (10 connections once ran 20);
+        # those of a credential of several, per connection and over the credential's all
+        # (its pool's share, with --pool-size).
         slot = identity.only_slot if name == "FetchState" else None
         key = (slot or f"{identity.name} {context.peer()}", name)
         limit = self.limits.get(name)
@@ -220,13 +227,28 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 f"{self.in_flight[key]} {name} calls of this caller are in flight already "
                 f"(at most {limit}); wait for them",
             )
+        pool = (identity.name, name) if name == "FetchState" and slot is None else None
+        if pool is not None and self.pool_fetches and self.in_flight[pool] >= self.pool_fetches:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.in_flight[pool]} {name} calls of this credential's pool are in flight "
+                f"already (at most {self.pool_fetches}: {self.limits['FetchState']} for each of "
+                "--pool-size's slots); "
+                "wait for them",
+            )
         self.in_flight[key] += 1
+        if pool is not None:
+            self.in_flight[pool] += 1
+            return key + pool
         return key
 
-    def _leave(self, key: tuple[str, str]) -> None:
-        self.in_flight[key] -= 1
-        if self.in_flight[key] <= 0:
-            del self.in_flight[key]
+    def _leave(self, keys: tuple[str, ...]) -> None:
+        """Each (caller, method) pair `_enter` counted the call under, once."""
+        for at in range(0, len(keys), 2):
+            key = (keys[at], keys[at + 1])
+            self.in_flight[key] -= 1
+            if self.in_flight[key] <= 0:
+                del self.in_flight[key]
 
     def _streaming(
         self, behavior: Callable[..., AsyncIterator[Any]], name: str, metadata: tuple[Any, ...]

@@ -75,3 +75,39 @@ def test_a_slots_state_fetches_are_counted_per_slot_whatever_its_connections() -
             await auth._enter("FetchState", shared, _Context(peer))
 
     asyncio.run(run())
+
+
+def test_a_pool_credentials_state_fetches_are_counted_over_its_connections() -> None:
+    """With --pool-size 2, the job's shared token (a credential of any slot) may have 4 state
+    fetches in flight over all its connections, 2 on each; the fifth is refused on a fresh
+    connection, and one ending frees its place."""
+    auth = Authenticator(
+        "atoll.v1.Synchronizer",
+        mtls=False,
+        tokens=None,
+        shared_token="shared",
+        anonymous=False,
+        pool_size=2,
+    )
+    shared = (("authorization", "Bearer shared"),)
+
+    async def run() -> None:
+        keys = []
+        for peer in ("ipv4:10.0.0.2:1", "ipv4:10.0.0.2:2", "ipv4:10.0.0.2:3", "ipv4:10.0.0.2:3"):
+            keys.append(await auth._enter("FetchState", shared, _Context(peer)))
+        with pytest.raises(AuthError) as err:
+            await auth._enter("FetchState", shared, _Context("ipv4:10.0.0.2:4"))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "pool" in err.value.details
+        with pytest.raises(AuthError):  # the per-connection limit still holds
+            await auth._enter("FetchState", shared, _Context("ipv4:10.0.0.2:3"))
+        auth._leave(keys[0])
+        keys.append(await auth._enter("FetchState", shared, _Context("ipv4:10.0.0.2:4")))
+        for key in keys[1:]:
+            auth._leave(key)
+        assert not auth.in_flight
+        # Other methods are not counted against the pool.
+        for peer in ("ipv4:10.0.0.2:5", "ipv4:10.0.0.2:6", "ipv4:10.0.0.2:7"):
+            await auth._enter("Follow", shared, _Context(peer))
+
+    asyncio.run(run())

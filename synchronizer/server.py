@@ -87,6 +87,7 @@ def authenticator(settings: SynchronizerSettings) -> Authenticator:
         tokens=tokens,
         shared_token=settings.token,
         anonymous=settings.insecure and not (mtls or tokens or settings.token),
+        pool_size=settings.pool_size,
     )
 
 
