@@ -28,7 +28,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from bench.options import Model, Output
 from bench.quality import (
@@ -70,6 +70,11 @@ class ByzantineBench(Model, Output):
     colluding: Hostility | None = Field(
         "replace", description="the kind of the colluding pair's row; none: no such row"
     )
+    @field_validator("colluding", mode="before")
+    @classmethod
+    def _none(cls, value: object) -> object:
+        return None if value in ("none", "") else value
+
     fewer: bool = Field(
         True,
         description="also run M-1 honest learners and no hostile one (row honest-fewer), "
