@@ -428,6 +428,36 @@ def test_in_sync_mode_a_slot_refused_for_its_norm_does_not_stop_the_job(tmp_path
     owner.close()
 
 
+class FirstRound:
+    """A fragment's first round: `factor` times an honest update from slot evil arriving
+    first (provisional: no other slot's norm to measure it against), then two honest ones."""
+
+    def __init__(self, tmp_path: Path, factor: float, lr: float = 0.5, size: int = 4000) -> None:
+        self.size, self.lr = size, lr
+        self.store = _store("evil", "a", "b", initialized=False)
+        self.owner = _owner(tmp_path, size, store=self.store, config=JobConfig(outer_lr=lr))
+        rng = np.random.default_rng(13)
+        self.start = rng.normal(scale=0.02, size=size).astype(np.float32)
+        self.honest = [rng.normal(scale=0.001, size=size).astype(np.float32) for _ in range(2)]
+        self.evil = (factor * rng.normal(scale=0.001, size=size)).astype(np.float32)
+
+    async def send(self) -> Update:
+        """The round's three updates, received; evil's as it was clipped on receipt."""
+        owner = self.owner
+        value, state = await owner.initial_state(self.start)
+        assert await self.store.init_fragment(0, value, state)
+        await owner.load(await self.store.pointer(0))
+        first = _send(owner, "evil", 0, self.evil)
+        assert first.provisional
+        assert await owner.receive(first, 0) == ("received", 0)
+        for k, x in enumerate(self.honest, start=1):
+            assert await owner.receive(_send(owner, "ab"[k - 1], k, x), k) == ("received", 0)
+        return first
+
+    def moved(self) -> np.ndarray:
+        return self.owner.committed.theta + self.owner.committed.residual
+
+
 def test_an_update_first_in_a_fragments_first_round_is_clipped_against_the_round_at_sealing(
     tmp_path: Path,
 ) -> None:
@@ -435,36 +465,22 @@ def test_an_update_first_in_a_fragments_first_round_is_clipped_against_the_round
     arriving first is clipped only to the warm-up bound; once its round is sealed, against
     the two honest members beside it: to 3x (--clip-norm-ratio) their median norm, and the
     fragment moves by the three members' mean with it so clipped."""
-    size, lr = 4000, 0.5
-    store = _store("evil", "a", "b", initialized=False)
-    owner = _owner(tmp_path, size, store=store, config=JobConfig(outer_lr=lr))
-    rng = np.random.default_rng(13)
-    start = rng.normal(scale=0.02, size=size).astype(np.float32)
-    honest = [rng.normal(scale=0.001, size=size).astype(np.float32) for _ in range(2)]
-    evil = (5.0 * rng.normal(scale=0.001, size=size)).astype(np.float32)
+    r = FirstRound(tmp_path, 5.0)
 
     async def run() -> None:
-        value, state = await owner.initial_state(start)
-        assert await store.init_fragment(0, value, state)
-        await owner.load(await store.pointer(0))
-        first = _send(owner, "evil", 0, evil)
-        assert first.provisional
-        assert await owner.receive(first, 0) == ("received", 0)
+        first = await r.send()
         assert first.clip == 1.0  # within the warm-up bound
-        for k, x in enumerate(honest, start=1):
-            assert await owner.receive(_send(owner, "ab"[k - 1], k, x), k) == ("received", 0)
-        await owner.merge(None)
-        norms = sorted(float(np.linalg.norm(x.astype(np.float64))) for x in honest)
+        await r.owner.merge(None)
+        norms = sorted(float(np.linalg.norm(x.astype(np.float64))) for x in r.honest)
         bound = 3.0 * (norms[0] + norms[1]) / 2
         assert math.isclose(first.clip * first.norm, bound, rel_tol=1e-4)
-        (entry,) = await store.log_range(0, 0, 1)
+        (entry,) = await r.store.log_range(0, 0, 1)
         assert entry["clips"][0] == pytest.approx(first.clip)
-        moved = owner.committed.theta + owner.committed.residual
-        want = start - lr * (honest[0] + honest[1] + first.clip * evil) / 3
-        np.testing.assert_allclose(moved, want, atol=1e-5)
+        want = r.start - r.lr * (r.honest[0] + r.honest[1] + first.clip * r.evil) / 3
+        np.testing.assert_allclose(r.moved(), want, atol=1e-5)
 
     asyncio.run(run())
-    owner.close()
+    r.owner.close()
 
 
 def test_an_update_first_in_a_fragments_first_round_far_over_the_round_is_dropped_at_sealing(
@@ -475,37 +491,23 @@ def test_an_update_first_in_a_fragments_first_round_far_over_the_round_is_droppe
     two honest members beside it, and merges at no weight, standing for nothing: the
     fragment moves by the honest pair's mean at 2/3 of a step (three live slots). Clipped to
     3x the others instead, it merged as three times an honest update."""
-    size, lr = 4000, 0.5
-    store = _store("evil", "a", "b", initialized=False)
-    owner = _owner(tmp_path, size, store=store, config=JobConfig(outer_lr=lr))
-    rng = np.random.default_rng(13)
-    start = rng.normal(scale=0.02, size=size).astype(np.float32)
-    honest = [rng.normal(scale=0.001, size=size).astype(np.float32) for _ in range(2)]
-    evil = (100.0 * rng.normal(scale=0.001, size=size)).astype(np.float32)
+    r = FirstRound(tmp_path, 100.0)
 
     async def run() -> None:
-        value, state = await owner.initial_state(start)
-        assert await store.init_fragment(0, value, state)
-        await owner.load(await store.pointer(0))
-        first = _send(owner, "evil", 0, evil)
-        assert first.provisional
-        assert await owner.receive(first, 0) == ("received", 0)
-        warmup = owner.config.warmup_update_rms * math.sqrt(size)
+        first = await r.send()
+        warmup = r.owner.config.warmup_update_rms * math.sqrt(r.size)
         assert math.isclose(first.clip * first.norm, warmup, rel_tol=1e-5)
-        for k, x in enumerate(honest, start=1):
-            assert await owner.receive(_send(owner, "ab"[k - 1], k, x), k) == ("received", 0)
-        await owner.merge(frozenset({"evil", "a", "b"}))
+        await r.owner.merge(frozenset({"evil", "a", "b"}))
         assert first.clip == 0.0
-        assert "evil" not in owner.guards.norms  # a dropped one moves no bar
-        (entry,) = await store.log_range(0, 0, 1)
+        assert "evil" not in r.owner.guards.norms  # a dropped one moves no bar
+        (entry,) = await r.store.log_range(0, 0, 1)
         assert entry["clips"][0] == 0.0
         assert entry["scale"] == pytest.approx(2 / 3)
-        moved = owner.committed.theta + owner.committed.residual
-        want = start - lr * (2 / 3) * (honest[0] + honest[1]) / 2
-        np.testing.assert_allclose(moved, want, atol=1e-5)
+        want = r.start - r.lr * (2 / 3) * (r.honest[0] + r.honest[1]) / 2
+        np.testing.assert_allclose(r.moved(), want, atol=1e-5)
 
     asyncio.run(run())
-    owner.close()
+    r.owner.close()
 
 
 def test_a_refused_update_is_taken_out_of_the_round_and_leaves_no_record(tmp_path: Path) -> None:
