@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.report import read_summaries
+from cluster.settings import IDENTITY_DEFENCES_OFF
 
 
 def atoll(args: Sequence[str], timeout_s: float = 3600) -> None:
@@ -33,7 +34,9 @@ def up(workdir: Path, args: Sequence[str]) -> dict[str, Any]:
     return dict(json.loads(report.read_text()))
 
 
-# Merges that change nothing: float32 both ways, one outer step of lr 1 without momentum.
+# Merges that change nothing: float32 both ways, one outer step of lr 1 without momentum,
+# and none of the defences against hostile slots that drop or clip an update (a learner
+# alone on its fragment is clipped to the warm-up RMS; cluster/settings.py).
 IDENTITY_MERGE = (
     "--codec",
     "fp32",
@@ -43,6 +46,7 @@ IDENTITY_MERGE = (
     "1.0",
     "--outer-momentum",
     "0",
+    *(f"--{name.replace('_', '-')}={value}" for name, value in IDENTITY_DEFENCES_OFF.items()),
 )
 
 

@@ -130,7 +130,8 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         "--param-layout replicated for classic data-parallel's all-reduce), batch "
         "learners x --batch-size split over them; run as sync mode with one fragment synced "
         "every --eval-every steps (else once, at the end), fp32 both ways, outer lr 1 and no "
-        "momentum (the identity: the global model evaluated is the learner's own)",
+        "momentum, the merge's defences against hostile slots off (the identity: the global "
+        "model evaluated is the learner's own)",
     )
     hostile: dict[str, Hostility] = Field(
         default_factory=dict,
@@ -214,11 +215,28 @@ def regions_refused(settings: UpSettings) -> str | None:
     return regions.refused()
 
 
+# The synchronizer's defences against a hostile slot, off: a job of one trusted learner
+# has no other slot to defend against, and each of them would make its merge other than the
+# identity. With them on, an honest update whose signs happen to disagree with the last
+# merged outer gradient's (agreement below 0, common once the loss flattens: consecutive
+# outer gradients of one learner are nearly uncorrelated) merged at no weight: the version
+# came out equal to the one before, the learner (sync mode) adopted it and lost the steps
+# since, and every eval until the next kept update repeated the last one's loss.
+IDENTITY_DEFENCES_OFF = {
+    "min_update_agreement": -1.0,  # no direction check, and no direction kept
+    "max_shrink_agreement": 1.0,  # no shrink check
+    # A slot alone on a fragment is clipped to this RMS per value: far above any update.
+    "warmup_update_rms": 1e9,
+}
+
+
 def data_parallel(settings: UpSettings) -> UpSettings:
     """--data-parallel: one learner, the regions' slots its processes, the batch of all of
-    them, and a merge that is the identity (bench/runs.py's data-parallel reference). It
-    syncs every --eval-every steps (else once, at the end): what is evaluated is the global
-    model, which through the identity merge is then the learner's own parameters."""
+    them, and a merge that is the identity (bench/runs.py's data-parallel reference): outer
+    lr 1 without momentum, fp32 both ways, and none of the defences that drop or clip
+    an update (`IDENTITY_DEFENCES_OFF`). It syncs every --eval-every steps (else once, at the
+    end): what is evaluated is the global model, which through the identity merge is then
+    the learner's own parameters at that step."""
     return settings.model_copy(
         update={
             "learners": 1,
@@ -232,5 +250,6 @@ def data_parallel(settings: UpSettings) -> UpSettings:
             "outer_lr": 1.0,
             "outer_momentum": 0.0,
             "quorum": 0,
+            **IDENTITY_DEFENCES_OFF,
         }
     )
