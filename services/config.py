@@ -196,7 +196,8 @@ class JobConfig(BaseModel):
         "gradient (its agreement: the share of its L1 mass on values whose sign matches that "
         "gradient's, minus the share on those that do not, on a random sample of its chunks "
         "drawn once it is whole) below this is merged at no weight, as if it were not sent: "
-        "a sign-flipped update from a hostile slot steers nothing (-1 turns the check off)",
+        "a sign-flipped update from a hostile slot steers nothing; not checked against a "
+        "direction its own slot's updates made alone (-1 turns the check off)",
     )
     max_shrink_agreement: float = Field(
         0.5,

@@ -90,6 +90,11 @@ class FragmentState:
         # an update's direction is checked against (`RoundSums.agreement`). None until this
         # owner's first merge of the fragment (a new owner checks nothing before it).
         self.direction: np.ndarray | None = None
+        # The slots whose updates made that direction: an update is not checked against a
+        # direction its own slot's updates made alone (a slot's own history never moves its
+        # bar; one learner's consecutive outer gradients are nearly uncorrelated late in
+        # training, and a job of one learner dropped its honest updates).
+        self.direction_from: frozenset[str] = frozenset()
         self.t_sync_s = 0.0  # the EMA of a merge's time, sealing to commit
         self._gc: asyncio.Task[None] | None = None
 
@@ -190,7 +195,10 @@ class FragmentState:
         phases.done("keyframe_wait")
         # Dropped members (clip 0) are not in the sum; clipped ones (between) are.
         clean = all(u.clip in (0.0, 1.0) for u in updates)
+        keeps = clean and sealed.weight > 0.0 and self.config.min_update_agreement > -1.0
         delta = await self._ahead(self.step, sealed, scale, clean)
+        if keeps:  # as `step` decides: the round's sum's signs are the direction now
+            self.direction_from = frozenset(u.learner for u in updates if u.clip > 0.0)
         sealed.release()
         phases.done("step")
         version = self.version + 1

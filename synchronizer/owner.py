@@ -304,11 +304,14 @@ class FragmentOwner:
         this owner's first merge; the shrink is, from the fragment's first update on. Only
         toward zero: early in training honest updates grow the fragment (their agreement
         with it reaches -0.5 on the byzantine bench), and an update that grows it more than
-        honest ones do is bounded by its norm."""
+        honest ones do is bounded by its norm. Nor is the direction checked where the last
+        one was made by this update's slot alone (`FragmentState.direction_from`)."""
         if update.clip == 0.0:
             return
         floor, shrink_bound = self.config.min_update_agreement, self.config.max_shrink_agreement
         direction = self.committed.direction if floor > -1.0 else None
+        if self.committed.direction_from <= {update.learner}:
+            direction = None  # made by this slot's own updates alone: not its bar
         theta = self.committed.theta if shrink_bound < 1.0 else None
         if theta is not None and theta.size != self.committed.size:
             theta = None  # no value yet: the job is not initialized

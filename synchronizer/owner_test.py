@@ -530,3 +530,45 @@ def test_a_refused_update_is_taken_out_of_the_round_and_leaves_no_record(tmp_pat
     assert owner.sums.current.provisional is not None
     np.testing.assert_allclose(owner.sums.current.provisional.total, 0.0, atol=1e-7)
     owner.close()
+
+
+def test_an_update_is_not_checked_against_a_direction_its_own_slot_made_alone(
+    tmp_path: Path,
+) -> None:
+    """A learner alone on a fragment is not dropped for pointing against its own last
+    update (a slot's own history never moves its bar: one learner's consecutive outer
+    gradients are nearly uncorrelated late in training, and a job of one learner lost its
+    honest updates). Once a round of two slots made the direction, the same update is."""
+    size = 4000
+    store = _store("a", "b", initialized=False)
+    owner = _owner(tmp_path, size, store=store)
+    rng = np.random.default_rng(17)
+    start = rng.normal(scale=0.02, size=size).astype(np.float32)
+    x = rng.normal(scale=0.001, size=size).astype(np.float32)
+
+    async def run() -> None:
+        value, state = await owner.initial_state(start)
+        assert await store.init_fragment(0, value, state)
+        await owner.load(await store.pointer(0))
+        assert await owner.receive(_send(owner, "a", 0, x), 0) == ("received", 0)
+        await owner.merge(None)
+        assert owner.committed.direction_from == {"a"}
+        alone = _send(owner, "a", 1, -x)
+        assert await owner.receive(alone, 1) == ("received", 1)
+        assert alone.agreement is None  # not checked
+        assert alone.clip == 1.0
+        # A round of both slots makes the direction; a's update against it is dropped.
+        await owner.merge(None)
+        for k, learner in enumerate("ab"):  # along the direction a's last update made
+            update = _send(owner, learner, 2 + k, -x)
+            assert await owner.receive(update, 2 + k) == ("received", 2)
+            assert update.clip == 1.0
+        await owner.merge(None)
+        assert owner.committed.direction_from == {"a", "b"}
+        against = _send(owner, "a", 4, x)
+        assert await owner.receive(against, 4) == ("received", 3)
+        assert against.agreement == pytest.approx(-1.0)
+        assert against.clip == 0.0
+
+    asyncio.run(run())
+    owner.close()
