@@ -70,6 +70,7 @@ class ByzantineBench(Model, Output):
     colluding: Hostility | None = Field(
         "replace", description="the kind of the colluding pair's row; none: no such row"
     )
+
     @field_validator("colluding", mode="before")
     @classmethod
     def _none(cls, value: object) -> object:
