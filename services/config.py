@@ -382,7 +382,8 @@ class SynchronizerSettings(JobConfig, AtollSettings):
         ge=0,
         description="the most live sessions one pool credential (a certificate naming slots "
         "by a prefix, URI SAN learner:PREFIX*) may hold at once: the pool's replicas (the "
-        "chart sets its largest pool's); 0: no cap",
+        "chart sets its largest pool's); also bounds such a credential's state fetches in "
+        "flight over all its connections (2 per slot of it); 0: no cap",
     )
     max_ingest_per_slot: int = Field(
         8,
