@@ -206,7 +206,9 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             response_serializer=handler.response_serializer,
         )
 
-    async def _enter(self, name: str, metadata: tuple[Any, ...], context: Any) -> tuple[str, ...]:
+    async def _enter(
+        self, name: str, metadata: tuple[Any, ...], context: Any
+    ) -> tuple[tuple[str, str], ...]:
         try:
             identity = self.identify(metadata, context)
         except AuthError as err:
@@ -233,19 +235,15 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.in_flight[pool]} {name} calls of this credential's pool are in flight "
                 f"already (at most {self.pool_fetches}: {self.limits['FetchState']} for each of "
-                "--pool-size's slots); "
-                "wait for them",
+                "--pool-size's slots); wait for them",
             )
-        self.in_flight[key] += 1
-        if pool is not None:
-            self.in_flight[pool] += 1
-            return key + pool
-        return key
+        keys = (key,) if pool is None else (key, pool)
+        self.in_flight.update(keys)
+        return keys
 
-    def _leave(self, keys: tuple[str, ...]) -> None:
+    def _leave(self, keys: tuple[tuple[str, str], ...]) -> None:
         """Each (caller, method) pair `_enter` counted the call under, once."""
-        for at in range(0, len(keys), 2):
-            key = (keys[at], keys[at + 1])
+        for key in keys:
             self.in_flight[key] -= 1
             if self.in_flight[key] <= 0:
                 del self.in_flight[key]
@@ -254,14 +252,14 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self, behavior: Callable[..., AsyncIterator[Any]], name: str, metadata: tuple[Any, ...]
     ) -> Callable[..., AsyncIterator[Any]]:
         async def wrapped(request: Any, context: Any) -> AsyncIterator[Any]:
-            key = await self._enter(name, metadata, context)
+            keys = await self._enter(name, metadata, context)
             try:
                 async for item in behavior(request, context):
                     yield item
             except AuthError as err:
                 await context.abort(err.code, err.details)
             finally:
-                self._leave(key)
+                self._leave(keys)
 
         return wrapped
 
@@ -269,13 +267,13 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self, behavior: Callable[..., Awaitable[Any]], name: str, metadata: tuple[Any, ...]
     ) -> Callable[..., Awaitable[Any]]:
         async def wrapped(request: Any, context: Any) -> Any:
-            key = await self._enter(name, metadata, context)
+            keys = await self._enter(name, metadata, context)
             try:
                 return await behavior(request, context)
             except AuthError as err:
                 await context.abort(err.code, err.details)
             finally:
-                self._leave(key)
+                self._leave(keys)
 
         return wrapped
 

@@ -130,6 +130,11 @@ class FragmentState:
         await self.keyframes.write(frame, values, arrays)
         return frame.value, frame.state
 
+    def keeps_direction(self, sealed: RoundSum, clean: bool) -> bool:
+        """Whether a round's sum's signs become the direction (`step`): the check is on,
+        some member merged, and none was clipped (`clean`)."""
+        return clean and sealed.weight > 0.0 and self.config.min_update_agreement > -1.0
+
     def step(self, sealed: RoundSum, scale: float, clean: bool = True) -> list[codecs.Segment]:
         """The outer step and the downlink delta, in place, segment by segment; segments
         are independent, so they run on every core (numpy releases the GIL). `clean`: no
@@ -146,7 +151,7 @@ class FragmentState:
         # the honest updates after it. With the check off (--min-update-agreement -1) none
         # is kept.
         direction = None
-        if clean and sealed.weight > 0.0 and self.config.min_update_agreement > -1.0:
+        if self.keeps_direction(sealed, clean):
             if self.direction is None or self.direction.size != self.size:
                 self.direction = np.zeros(self.size, np.bool_)
             direction = self.direction
@@ -195,9 +200,9 @@ class FragmentState:
         phases.done("keyframe_wait")
         # Dropped members (clip 0) are not in the sum; clipped ones (between) are.
         clean = all(u.clip in (0.0, 1.0) for u in updates)
-        keeps = clean and sealed.weight > 0.0 and self.config.min_update_agreement > -1.0
+        keeps = self.keeps_direction(sealed, clean)
         delta = await self._ahead(self.step, sealed, scale, clean)
-        if keeps:  # as `step` decides: the round's sum's signs are the direction now
+        if keeps:  # the round's sum's signs are the direction now
             self.direction_from = frozenset(u.learner for u in updates if u.clip > 0.0)
         sealed.release()
         phases.done("step")
