@@ -58,6 +58,18 @@ class WanBench(Model, Output):
         "sync use): dp takes one step per M learners' batches, so sweep it to tune the "
         "reference",
     )
+    lr: float | None = Field(
+        None,
+        gt=0.0,
+        description="the decoupled, sync and uncapped learners' inner peak learning rate "
+        "(default: the learner's), to tune them as --dp-lr tunes dp",
+    )
+    outer_lr: float | None = Field(
+        None,
+        gt=0.0,
+        description="the decoupled, sync and uncapped runs' outer learning rate (default: "
+        "the job's)",
+    )
     dp_param_layout: ParamLayout = Field(
         "replicated",
         description="how dp's processes hold the model (atoll learner --param-layout). "
@@ -143,7 +155,10 @@ def common_flags(settings: WanBench) -> list[str]:
 
 def planned(settings: WanBench) -> list[tuple[str, list[str]]]:
     link = f"rate={settings.rate}" + (f",delay={settings.delay}" if settings.delay else "")
-    decoupled = ["--mode", "decoupled", "--no-shared-budget", *algorithm_flags(settings)]
+    lr = ["--lr", str(settings.lr)] if settings.lr is not None else []
+    if settings.outer_lr is not None:
+        lr += ["--outer-lr", str(settings.outer_lr)]
+    decoupled = ["--mode", "decoupled", "--no-shared-budget", *algorithm_flags(settings), *lr]
     plans = {
         "dp": [
             "--link",
@@ -154,7 +169,7 @@ def planned(settings: WanBench) -> list[tuple[str, list[str]]]:
             *(["--lr", str(settings.dp_lr)] if settings.dp_lr is not None else []),
         ],
         "decoupled": ["--link", link, *decoupled],
-        "sync": ["--link", link, "--mode", "sync", *algorithm_flags(settings)],
+        "sync": ["--link", link, "--mode", "sync", *algorithm_flags(settings), *lr],
         "uncapped": ["--link", UNCAPPED, *decoupled],
     }
     return [(name, plans[name]) for name in RUNS if name in settings.runs]

@@ -72,3 +72,14 @@ def test_the_runs_share_the_regions_and_text_and_differ_in_link_and_mode() -> No
     assert dict(planned(sharded))["dp"][-2:] == ["--param-layout", "sharded"]
     assert plans["uncapped"][:2] == ["--link", "rate=100gbit"]
     assert plans["uncapped"][2:] == plans["decoupled"][2:]
+
+
+def test_each_side_has_its_own_learning_rate() -> None:
+    tuned = dict(planned(WanBench.model_validate({"json": None, "lr": 0.006, "dp_lr": 0.012})))
+    for name in ("decoupled", "sync", "uncapped"):
+        flags = tuned[name]
+        assert flags[flags.index("--lr") + 1] == "0.006"
+    assert tuned["dp"][tuned["dp"].index("--lr") + 1] == "0.012"
+    assert tuned["dp"].count("--lr") == 1
+    untuned = dict(planned(WanBench.model_validate({"json": None})))
+    assert all("--lr" not in flags for flags in untuned.values())
