@@ -215,7 +215,7 @@ class FragmentState:
         # of the next round keep summing there): only a step changes theta, and the next
         # one waits for this commit (a merge that fails here loses the fragment).
         checksum = asyncio.ensure_future(asyncio.to_thread(_checksum, self.theta))
-        await self.tensors.put(delta_name, await asyncio.to_thread(codecs.pack_segments, delta))
+        await self.tensors.put(delta_name, codecs.segment_parts(delta))
         phases.done("delta_write")
         useful = sum(u.compute_seconds for u in updates) / max(1, self.fragments)
         staleness = [self.version - u.base_version for u in updates]

@@ -61,9 +61,9 @@ class TensorStore:
         except Exception as err:  # the library's configuration errors
             raise TensorStoreError(f"cannot open tensor store {url!r}: {err}") from None
 
-    async def put(self, name: str, data: bytes | np.ndarray) -> None:
-        """Write an object (an array is written as its little-endian float32 bytes, without
-        a copy)."""
+    async def put(self, name: str, data: bytes | np.ndarray | list[bytes | memoryview]) -> None:
+        """Write an object (an array is written as its little-endian float32 bytes; a list of
+        buffers as their bytes one after the other; neither copied first)."""
         if isinstance(data, np.ndarray):
             data = np.ascontiguousarray(data, "<f4").view(np.uint8).data  # type: ignore[assignment]
         await obstore.put_async(self._store, name, data)

@@ -4,6 +4,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services import codec as codecs
 from synchronizer.store.tensors import TensorStore, TensorStoreError, object_name, version_of
 
 
@@ -28,3 +29,24 @@ def test_objects_round_trip_list_and_delete(tmp_path: Path) -> None:
 def test_an_unknown_scheme_is_refused_with_what_to_give() -> None:
     with pytest.raises(TensorStoreError, match="give a directory"):
         TensorStore("ftp://somewhere/x")
+
+
+def test_a_delta_written_as_its_parts_reads_back_as_the_packed_blob(tmp_path: Path) -> None:
+    data = np.arange(40, dtype=np.uint8)
+    segments = [
+        codecs.Segment(0, 10, data[:10].tobytes()),
+        codecs.Segment(10, 30, memoryview(data.tobytes())[10:]),
+    ]
+
+    async def run() -> bytes:
+        store = TensorStore(str(tmp_path / "store"))
+        await store.put("job/delta", codecs.segment_parts(segments))
+        return bytes(await store.get("job/delta"))
+
+    blob = asyncio.run(run())
+    assert blob == codecs.pack_segments(segments)
+    back = codecs.unpack_segments(blob)
+    assert [(s.offset, s.count, bytes(s.data)) for s in back] == [
+        (0, 10, data[:10].tobytes()),
+        (10, 30, data[10:].tobytes()),
+    ]
