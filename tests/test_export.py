@@ -20,7 +20,7 @@ from tests.test_up import up
 
 
 def atoll(*args: str) -> dict[str, object]:
-    proc = subprocess.run(atoll_command(*args), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(atoll_command(*args), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return dict(json.loads(proc.stdout[proc.stdout.index("{") :]))
 
