@@ -155,10 +155,11 @@ def common_flags(settings: WanBench) -> list[str]:
 
 def planned(settings: WanBench) -> list[tuple[str, list[str]]]:
     link = f"rate={settings.rate}" + (f",delay={settings.delay}" if settings.delay else "")
-    lr = ["--lr", str(settings.lr)] if settings.lr is not None else []
+    # The learning rates of the DiLoCo runs (dp's is its own, --dp-lr).
+    tuning = ["--lr", str(settings.lr)] if settings.lr is not None else []
     if settings.outer_lr is not None:
-        lr += ["--outer-lr", str(settings.outer_lr)]
-    decoupled = ["--mode", "decoupled", "--no-shared-budget", *algorithm_flags(settings), *lr]
+        tuning += ["--outer-lr", str(settings.outer_lr)]
+    decoupled = ["--mode", "decoupled", "--no-shared-budget", *algorithm_flags(settings), *tuning]
     plans = {
         "dp": [
             "--link",
@@ -169,7 +170,7 @@ def planned(settings: WanBench) -> list[tuple[str, list[str]]]:
             *(["--lr", str(settings.dp_lr)] if settings.dp_lr is not None else []),
         ],
         "decoupled": ["--link", link, *decoupled],
-        "sync": ["--link", link, "--mode", "sync", *algorithm_flags(settings), *lr],
+        "sync": ["--link", link, "--mode", "sync", *algorithm_flags(settings), *tuning],
         "uncapped": ["--link", UNCAPPED, *decoupled],
     }
     return [(name, plans[name]) for name in RUNS if name in settings.runs]
