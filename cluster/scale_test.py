@@ -11,7 +11,14 @@ def test_parse_scale_reads_events_in_time_order() -> None:
     assert events == [ScaleEvent(60.0, 6), ScaleEvent(120.0, 3)]
 
 
-@pytest.mark.parametrize("spec", ["at=60s", "learners=3", "at=1s,learners=0", "at=1s,n=2"])
+def test_parse_scale_reads_a_readiness_hold() -> None:
+    events = parse_scale("at=1s,learners=4;at=30s,learners=2,ready=20")
+    assert events == [ScaleEvent(1.0, 4), ScaleEvent(30.0, 2, ready_steps=20)]
+
+
+@pytest.mark.parametrize(
+    "spec", ["at=60s", "learners=3", "at=1s,learners=0", "at=1s,n=2", "at=1s,learners=2,ready=x"]
+)
 def test_parse_scale_says_what_to_write(spec: str) -> None:
     with pytest.raises(ChaosError, match="--scale"):
         parse_scale(spec)

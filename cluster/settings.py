@@ -107,7 +107,8 @@ class UpSettings(JobConfig, ModelConfig, AtollSettings):
         "",
         description="grow and shrink the job while it runs: 'at=60s,learners=6;at=120s,"
         "learners=3' (times from the first inner step); new slots join and fetch the global "
-        "model, the newest slots leave cleanly (SIGTERM, final sync)",
+        "model, the newest slots leave cleanly (SIGTERM, final sync); ',ready=STEPS' holds "
+        "an event until every slot has done that many inner steps",
     )
     regions: str = Field(
         "",

@@ -120,7 +120,7 @@ class LocalCluster:
                 return
             self._training_since = time.time()
         now = time.time() - self._training_since
-        while self.scale_plan and self.scale_plan[0].at_s <= now:
+        while self.scale_plan and self.scale_due(self.scale_plan[0], now, state):
             self.scale_to(self.scale_plan.pop(0).learners)
         self.injector.run_due(now, ending=state.learners_done > 0)
 
@@ -216,6 +216,16 @@ class LocalCluster:
     def plan_scaling(self) -> None:
         self.scale_plan = parse_scale(self.settings.scale) if self.settings.scale else []
         self.launch.slots_ever = slots_ever(self.settings.learners, self.scale_plan)
+
+    def scale_due(self, event: ScaleEvent, now: float, state: ClusterState) -> bool:
+        """Its time has come and, with `ready=STEPS`, every slot in the job has reported
+        that many inner steps (from its heartbeats in Redis)."""
+        if event.at_s > now:
+            return False
+        return all(
+            float(state.learners.get(c.name, {}).get("step", 0)) >= event.ready_steps
+            for c in self.active()
+        )
 
     def active(self) -> list[Child]:
         """Learner slots in the job now (not the ones that left it)."""

@@ -23,9 +23,9 @@ def test_a_job_grows_then_shrinks_and_its_newcomers_are_merged(tmp_path: Path) -
         "--quorum",
         "3",
         "--scale",
-        # A newcomer took 20 s to start on two loaded cores: the shrink leaves it time to
-        # send its first updates.
-        "at=1s,learners=4;at=34s,learners=2",
+        # A newcomer takes 20-40 s to start on two loaded cores: the shrink waits until
+        # every slot has done two inner loops, so each newcomer has sent updates.
+        "at=1s,learners=4;at=20s,learners=2,ready=20",
         "--speeds",  # the first two at half speed leave CPU for the newcomers to start
         "[0.5, 0.5]",
     )
