@@ -8,6 +8,15 @@ pending update). Values that other learners' rounds produce in between are remem
 not adopted, so no unsent local progress is overwritten. A fragment is not sent again before
 its reply arrives, so no progress is ever counted twice.
 
+A round can seal while an update is still crossing a thin link, and commit a version without
+it: the first newer version is then not the reply. So a decoupled learner of one process
+(`confirm_by_ack`) adopts the version its update's COMMITTED ack names (or a newer one),
+holding a value that arrives first until the ack does; were the ack lost, after ACK_WAIT_S it
+adopts the first newer version, as without acks. Adopting a version without its own update
+would take the update's progress out of the local model until a later round merged it, and
+send the next update of the fragment while the last one still waited in an open round (which
+its owner refuses: one update a learner per round), losing that update's steps.
+
 Steps taken while an update is in flight (the overlap) are kept by default: the reply is
 applied as `theta <- Theta + (theta - theta_sent)`, and their counters go into the next
 update. With `keep_progress` off the reply overwrites them (`merge_global`), and their
@@ -24,6 +33,11 @@ import numpy as np
 import numpy.typing as npt
 
 from services.codec import Codec, ErrorFeedback, Segment
+
+# How long a learner confirming by ack holds a newer version before adopting it without the
+# ack (a session that reconnected is not told of commits before it; the update is sent again
+# and acked as a duplicate, so this only bounds what a lost ack costs).
+ACK_WAIT_S = 10.0
 
 
 def fragment_offset(fragment: int, fragments: int, inner_steps: int) -> int:
@@ -114,6 +128,10 @@ class FragmentState:
     # A hostile learner's corruption of each update (delta, anchor -> what it sends); the
     # defences' tests only (learner/hostile.py).
     hostile: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+    confirm_by_ack: bool = False  # adopt the version the update's ack names (module doc)
+    sent_seq: int | None = None  # the in-flight update's number, once the client gave it
+    merged_in: int | None = None  # the version its ack says holds it
+    unconfirmed_since: float | None = None  # when a newer version came before the ack
 
     @property
     def in_flight(self) -> bool:
@@ -129,6 +147,7 @@ class FragmentState:
         send = Send(self.base, self.version, self.steps, self.tokens, self.compute_seconds)
         self.awaiting_above = max(self.version, self.latest_version)
         self.due = False
+        self.sent_seq = self.merged_in = self.unconfirmed_since = None
         if self.keep_progress:  # the update carries these; what follows counts anew
             self.steps, self.tokens, self.compute_seconds = 0, 0, 0.0
         return send
@@ -142,12 +161,46 @@ class FragmentState:
             delta = self.hostile(delta, send.base)
         return self.feedback.encode(delta)
 
-    def receive(self, value: np.ndarray, version: int) -> bool:
-        """A global value arrived; return True if it is the reply to adopt now."""
+    def receive(self, value: np.ndarray, version: int, now: float = 0.0) -> bool:
+        """A global value arrived (at `now`, monotonic seconds); return True if it is the
+        reply to adopt now."""
         if version <= max(self.version, self.latest_version):
             return False
         self.latest, self.latest_version = value, version
-        return self.awaiting_above is not None and version > self.awaiting_above
+        return self.answers(version, now)
+
+    def answers(self, version: int, now: float) -> bool:
+        """Whether `version` is the in-flight update's reply: the first above what the
+        learner knew when it sent; confirming by ack, one at or above the version the ack
+        names, or the first above once ACK_WAIT_S has passed without the ack."""
+        if self.awaiting_above is None or version <= self.awaiting_above:
+            return False
+        if not self.confirm_by_ack:
+            return True
+        if self.merged_in is not None:
+            return version >= self.merged_in
+        if self.unconfirmed_since is None:
+            self.unconfirmed_since = now
+        return now - self.unconfirmed_since >= ACK_WAIT_S
+
+    def confirmed(self, seq: int, version: int) -> bool:
+        """The ack of update `seq`: merged by `version` (COMMITTED, or a DUPLICATE of one
+        merged by then). Returns whether the newest value known is now the reply to adopt
+        (`latest`)."""
+        if not self.confirm_by_ack or self.awaiting_above is None or seq != self.sent_seq:
+            return False
+        self.merged_in = version
+        return self.latest is not None and self.answers(self.latest_version, 0.0)
+
+    def overdue(self, now: float) -> bool:
+        """Whether a newer version has waited ACK_WAIT_S for an ack that has not come: it
+        is adopted (`latest`) as the reply."""
+        return (
+            self.merged_in is None
+            and self.unconfirmed_since is not None
+            and self.latest is not None
+            and self.answers(self.latest_version, now)
+        )
 
     def local_value(self, theta: np.ndarray, global_value: np.ndarray, alpha: float) -> np.ndarray:
         """What the local fragment becomes when `global_value` is adopted."""
@@ -171,6 +224,7 @@ class FragmentState:
         self.base, self.version = global_value, version
         self.latest, self.latest_version = None, max(self.latest_version, version)
         self.awaiting_above, self.sent_theta, self.due = None, None, False
+        self.sent_seq = self.merged_in = self.unconfirmed_since = None
         return local
 
     def adopt(self, global_value: np.ndarray, version: int) -> None:
@@ -183,6 +237,7 @@ class FragmentState:
         self.awaiting_above = None
         self.sent_theta = None
         self.due = False  # a sync that waited for this reply has nothing left to send
+        self.sent_seq = self.merged_in = self.unconfirmed_since = None
         if not kept:
             self.steps, self.tokens, self.compute_seconds = 0, 0, 0.0
 

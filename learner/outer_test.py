@@ -3,7 +3,14 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from learner.outer import FragmentState, due_fragments, fragment_offset, merge_global, sync_round
+from learner.outer import (
+    ACK_WAIT_S,
+    FragmentState,
+    due_fragments,
+    fragment_offset,
+    merge_global,
+    sync_round,
+)
 from services import codec as codecs
 
 
@@ -57,6 +64,50 @@ def test_only_the_reply_to_a_send_is_adopted() -> None:
     f.adopt(np.full(4, 2.0, np.float32), 2)
     assert not f.in_flight
     assert (f.steps, f.tokens, f.version) == (0, 0, 2)
+
+
+def sent(f: FragmentState, seq: int) -> None:
+    f.count(tokens=100, seconds=0.5)
+    f.encode(f.begin_send(), np.full(4, -1.0, np.float32))
+    f.sent_seq = seq
+
+
+def test_confirming_by_ack_a_version_sealed_without_the_update_is_not_adopted() -> None:
+    # A round sealed while the update crossed the link: version 1 holds only another
+    # learner's update, and the ack says version 2 holds this one.
+    f = state()
+    f.confirm_by_ack = True
+    sent(f, seq=7)
+    assert not f.receive(np.ones(4, np.float32), 1, now=5.0)  # held for the ack
+    assert not f.confirmed(7, 2)  # merged by 2, which has not arrived
+    assert not f.overdue(now=5.0 + 2 * ACK_WAIT_S)  # the ack came: nothing is overdue
+    assert f.receive(np.full(4, 2.0, np.float32), 2, now=6.0)
+    # An ack of some other update, or of none in flight, adopts nothing.
+    f.adopt(np.full(4, 2.0, np.float32), 2)
+    assert not f.confirmed(7, 2)
+
+
+def test_confirming_by_ack_the_value_held_is_adopted_when_its_ack_comes() -> None:
+    f = state()
+    f.confirm_by_ack = True
+    sent(f, seq=3)
+    assert not f.receive(np.ones(4, np.float32), 1, now=5.0)
+    assert not f.confirmed(4, 1)  # not this update's ack
+    assert f.confirmed(3, 1)  # the value held is the reply
+
+
+def test_confirming_by_ack_a_lost_ack_costs_ack_wait_s_then_the_first_newer_is_adopted() -> None:
+    f = state()
+    f.confirm_by_ack = True
+    sent(f, seq=3)
+    assert not f.overdue(now=100.0)  # nothing newer has come
+    assert not f.receive(np.ones(4, np.float32), 1, now=5.0)
+    assert not f.overdue(now=5.0 + ACK_WAIT_S / 2)
+    assert f.overdue(now=5.0 + ACK_WAIT_S)
+    f.adopt(np.ones(4, np.float32), 1)
+    sent(f, seq=4)  # the next send starts its own wait
+    assert not f.receive(np.full(4, 2.0, np.float32), 2, now=20.0)
+    assert not f.overdue(now=21.0)
 
 
 def test_a_late_reply_does_not_trigger_an_empty_send() -> None:

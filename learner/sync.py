@@ -373,6 +373,9 @@ class SyncEngine:
             if job.done():
                 seq, p, compute = job.result()
                 self.pending_acks[seq] = (p, compute)
+                f = self.outer.fragments[p]
+                if f.in_flight and f.sent_seq is None:
+                    f.sent_seq = seq  # its ack names the version to adopt
             else:
                 still.append(job)
         self._encoding = still
@@ -386,6 +389,7 @@ class SyncEngine:
             self.tape.write("acked", uid=self._uid(seq), fragment=p, status=status)
             if ack.status in (session_pb2.ACK_STATUS_COMMITTED, session_pb2.ACK_STATUS_DUPLICATE):
                 tm.GOODPUT.credit(compute / share)
+                self.io.confirmed(self._flat, p, seq, ack.version)
                 continue
             log.warning("update_refused", update=self._uid(seq), fragment=p, reason=ack.reason)
             self.add_badput("lost", compute / share)

@@ -68,6 +68,14 @@ class FakeIO:
     def final_ack(self, seq: int) -> session_pb2.Ack | None:
         return self.acks.get(seq)
 
+    def confirmed(self, flat: FlatParams, p: int, seq: int, version: int) -> bool:
+        f = self.outer.fragments[p]
+        if not f.confirmed(seq, version):
+            return False
+        assert f.latest is not None
+        self.adopt(flat, p, f.latest, f.latest_version)
+        return True
+
     def job_finished(self) -> bool:
         return self.finished
 
@@ -146,6 +154,34 @@ def test_an_adopted_reply_is_written_into_the_parameters_handed_back(tmp_path: A
         np.testing.assert_allclose(out["a"], np.full(3, 4.0))
         np.testing.assert_allclose(out["b"], np.full(3, -3.0))
         assert io.outer.fragments[0].version == 1
+    finally:
+        e.close()
+
+
+def test_a_version_sealed_without_the_update_is_held_until_the_ack_names_the_reply(
+    tmp_path: Any,
+) -> None:
+    io = FakeIO()
+    e = engine(io, tmp_path)
+    try:
+        e.join(params(0.0))
+        f = io.outer.fragments[0]
+        f.confirm_by_ack = True  # as a decoupled learner of one process (whole_fragments)
+        e.after_step(1, params(-1.0))
+        e.after_step(2, params(-2.0))  # fragment 0 sent, taken at -2
+        e._encoder.submit(lambda: None).result()
+        # Version 1 holds only another learner's update: this one was still on the link.
+        io.replies.append((0, np.full(3, 5.0, np.float32), 1))
+        out = e.after_step(3, params(-3.0))
+        np.testing.assert_allclose(out["a"], np.full(3, -3.0))  # held, not adopted
+        assert f.in_flight and f.sent_seq == 1
+        io.acks[1] = session_pb2.Ack(seq=1, status=session_pb2.ACK_STATUS_COMMITTED, version=2)
+        out = e.after_step(4, params(-4.0))
+        assert f.in_flight  # merged by version 2, which has not arrived
+        io.replies.append((0, np.full(3, 6.0, np.float32), 2))
+        out = e.after_step(5, params(-5.0))
+        np.testing.assert_allclose(out["a"], np.full(3, 3.0))  # 6 + (-5 - -2)
+        assert not f.in_flight and f.version == 2
     finally:
         e.close()
 

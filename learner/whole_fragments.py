@@ -112,6 +112,11 @@ class WholeFragments:
             tensor_sizes=[tuple(leaf.size for leaf in f.leaves) for f in self.layout.fragments],
             feedback=device_codec.DeviceFeedback if on_device else codecs.ErrorFeedback,
         )
+        for f in self.outer.fragments:
+            # Decoupled rounds seal without updates still crossing the link: the reply is
+            # the version the update's ack names (learner/outer.py). A sync round holds
+            # every learner's update, and the learner waits for it.
+            f.confirm_by_ack = cfg.mode == "decoupled"
         if hostile is not None:
             rng = np.random.default_rng([link.settings.seed, link.settings.shard, 0xBAD])
             for f in self.outer.fragments:
@@ -177,12 +182,28 @@ class WholeFragments:
             try:
                 g, placed = self._arrivals.get(timeout=timeout)
             except queue.Empty:
-                return adopted, halt and not adopted
+                break
             timeout = 0.0
             f = self.outer.fragments[g.fragment]
-            if f.receive(g.values, g.version):
+            if f.receive(g.values, g.version, time.monotonic()):
                 self._adopt(flat, g.fragment, g.values, g.version, placed)
                 adopted = True
+        now = time.monotonic()
+        for p, f in enumerate(self.outer.fragments):
+            if f.overdue(now):  # its ack is lost: the first newer version, as without acks
+                log.warning("reply_unconfirmed", fragment=p, version=f.latest_version)
+                assert f.latest is not None
+                self._adopt(flat, p, f.latest, f.latest_version)
+                adopted = True
+        return adopted, halt and not adopted
+
+    def confirmed(self, flat: FlatParams, p: int, seq: int, version: int) -> bool:
+        f = self.outer.fragments[p]
+        if not f.confirmed(seq, version):
+            return False
+        assert f.latest is not None
+        self._adopt(flat, p, f.latest, f.latest_version)
+        return True
 
     def final_ack(self, seq: int) -> session_pb2.Ack | None:
         return self.link.client.stats.acks.get(seq)
