@@ -174,14 +174,16 @@ def test_a_version_sealed_without_the_update_is_held_until_the_ack_names_the_rep
         io.replies.append((0, np.full(3, 5.0, np.float32), 1))
         out = e.after_step(3, params(-3.0))
         np.testing.assert_allclose(out["a"], np.full(3, -3.0))  # held, not adopted
-        assert f.in_flight and f.sent_seq == 1
+        assert f.in_flight
+        assert f.sent_seq == 1
         io.acks[1] = session_pb2.Ack(seq=1, status=session_pb2.ACK_STATUS_COMMITTED, version=2)
         out = e.after_step(4, params(-4.0))
         assert f.in_flight  # merged by version 2, which has not arrived
         io.replies.append((0, np.full(3, 6.0, np.float32), 2))
         out = e.after_step(5, params(-5.0))
         np.testing.assert_allclose(out["a"], np.full(3, 3.0))  # 6 + (-5 - -2)
-        assert not f.in_flight and f.version == 2
+        assert not f.in_flight
+        assert f.version == 2
     finally:
         e.close()
 
