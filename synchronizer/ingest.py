@@ -219,7 +219,10 @@ class Ingest:
                 status=session_pb2.ACK_STATUS_ALREADY_INITIALIZED,
             )
         try:
-            live = await self.store.is_live(first.learner_id)
+            # The replica's shared view of the live learners (read about ten times a
+            # second for every update and round), not a read of the store per update: the
+            # rounds count members by the same view.
+            live = await self.ownership.live.holds(first.learner_id)
         except Exception as err:  # Redis away: the learner sends it again
             log.warning("liveness_unknown", error=repr(err))
             return await self._refuse(

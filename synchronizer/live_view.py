@@ -62,6 +62,13 @@ class LiveView:
             if self._answers(last, needed):
                 return last.live
 
+    async def holds(self, learner: str) -> bool:
+        """Whether the slot is live in a view read less than `max_age_s` ago, or read after
+        it was first asked for (a slot that has just said hello is seen at once)."""
+        await self.get((learner,))
+        assert self._last is not None
+        return learner in self._last.learners
+
     def _answers(self, read: _Read, needed: Collection[str]) -> bool:
         """Whether `read` says of each needed slot whether it is live: it holds the slot, or
         was sent after the slot was asked for. The slots it lacks are asked for again, so

@@ -152,3 +152,26 @@ def test_a_caller_cancelled_leaves_the_read_to_the_others() -> None:
         assert store.reads == 1
 
     asyncio.run(run())
+
+
+def test_holds_sees_a_slot_that_said_hello_at_once_and_one_gone_only_after_the_max_age() -> None:
+    clock, store = Clock(), CountedStore()
+    view = LiveView(store.live, max_age_s=0.1, clock=clock)
+
+    async def run() -> None:
+        await store.hello("a")
+        assert await view.holds("a")
+        assert not await view.holds("nobody")  # read again for it, once: not live
+        assert store.reads == 2
+        await store.hello("b")
+        assert await view.holds("b")  # said hello after the last read: read again
+        assert store.reads == 3
+        await store.store.leave("a", "i", 1)  # its first session
+        assert await view.holds("a")  # a view within its age still holds it
+        clock.s += 0.2
+        assert not await view.holds("a")
+        assert store.reads == 5  # the view's age, then once more for the slot it lacks
+        assert not await view.holds("a")  # and no more for it within the age
+        assert store.reads == 5
+
+    asyncio.run(run())
