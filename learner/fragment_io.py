@@ -87,11 +87,6 @@ class FragmentIO(Protocol):
     def final_ack(self, seq: int) -> session_pb2.Ack | None:
         """An update's final ack, once it has one."""
 
-    def confirmed(self, flat: FlatParams, p: int, seq: int, version: int) -> bool:
-        """Update `seq` of fragment p merged by `version` (its ack): adopt the reply if it
-        is here and was held for the ack (`FragmentState.confirm_by_ack`); return whether
-        a value was adopted."""
-
     def job_finished(self) -> bool:
         """Whether the job's budget of steps is spent."""
 

@@ -167,21 +167,28 @@ class FragmentState:
         if version <= max(self.version, self.latest_version):
             return False
         self.latest, self.latest_version = value, version
+        if (
+            self.confirm_by_ack
+            and self.unconfirmed_since is None
+            and self.awaiting_above is not None
+            and version > self.awaiting_above
+        ):
+            self.unconfirmed_since = now  # a reply may be here: the wait for its ack starts
         return self.answers(version, now)
 
     def answers(self, version: int, now: float) -> bool:
         """Whether `version` is the in-flight update's reply: the first above what the
         learner knew when it sent; confirming by ack, one at or above the version the ack
-        names, or the first above once ACK_WAIT_S has passed without the ack."""
+        names, or the first above once ACK_WAIT_S has passed without the ack (counted from
+        when the first such version arrived)."""
         if self.awaiting_above is None or version <= self.awaiting_above:
             return False
         if not self.confirm_by_ack:
             return True
         if self.merged_in is not None:
             return version >= self.merged_in
-        if self.unconfirmed_since is None:
-            self.unconfirmed_since = now
-        return now - self.unconfirmed_since >= ACK_WAIT_S
+        since = self.unconfirmed_since
+        return since is not None and now - since >= ACK_WAIT_S
 
     def confirmed(self, seq: int, version: int) -> bool:
         """The ack of update `seq`: merged by `version` (COMMITTED, or a DUPLICATE of one

@@ -274,11 +274,6 @@ class ProcessRanges:
                 adopted = True
         return adopted, verdict.halt
 
-    def confirmed(self, flat: FlatParams, p: int, seq: int, version: int) -> bool:
-        """Not held for acks: a learner of several processes adopts the first newer version
-        at the tick its leader decides (the acks reach only the leader)."""
-        return False
-
     def final_ack(self, seq: int) -> session_pb2.Ack | None:
         return self.ticks.final.get(seq)
 

@@ -389,7 +389,10 @@ class SyncEngine:
             self.tape.write("acked", uid=self._uid(seq), fragment=p, status=status)
             if ack.status in (session_pb2.ACK_STATUS_COMMITTED, session_pb2.ACK_STATUS_DUPLICATE):
                 tm.GOODPUT.credit(compute / share)
-                self.io.confirmed(self._flat, p, seq, ack.version)
+                f = self.outer.fragments[p]
+                if f.confirmed(seq, ack.version):  # the reply it held for this ack
+                    assert f.latest is not None
+                    self.io.adopt(self._flat, p, f.latest, f.latest_version)
                 continue
             log.warning("update_refused", update=self._uid(seq), fragment=p, reason=ack.reason)
             self.add_badput("lost", compute / share)

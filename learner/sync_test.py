@@ -68,14 +68,6 @@ class FakeIO:
     def final_ack(self, seq: int) -> session_pb2.Ack | None:
         return self.acks.get(seq)
 
-    def confirmed(self, flat: FlatParams, p: int, seq: int, version: int) -> bool:
-        f = self.outer.fragments[p]
-        if not f.confirmed(seq, version):
-            return False
-        assert f.latest is not None
-        self.adopt(flat, p, f.latest, f.latest_version)
-        return True
-
     def job_finished(self) -> bool:
         return self.finished
 

@@ -197,14 +197,6 @@ class WholeFragments:
                 adopted = True
         return adopted, halt and not adopted
 
-    def confirmed(self, flat: FlatParams, p: int, seq: int, version: int) -> bool:
-        f = self.outer.fragments[p]
-        if not f.confirmed(seq, version):
-            return False
-        assert f.latest is not None
-        self._adopt(flat, p, f.latest, f.latest_version)
-        return True
-
     def final_ack(self, seq: int) -> session_pb2.Ack | None:
         return self.link.client.stats.acks.get(seq)
 
