@@ -70,6 +70,12 @@ class WanBench(Model, Output):
         description="the decoupled, sync and uncapped runs' outer learning rate (default: "
         "the job's)",
     )
+    clip_norm: float | None = Field(
+        None,
+        ge=0.0,
+        description="every run's inner gradient clipping (atoll learner --clip-norm; default: "
+        "the learner's)",
+    )
     dp_param_layout: ParamLayout = Field(
         "replicated",
         description="how dp's processes hold the model (atoll learner --param-layout). "
@@ -150,6 +156,7 @@ def common_flags(settings: WanBench) -> list[str]:
         "--log-every", "1",
         "--threads", str(settings.threads),
         "--timeout-s", str(settings.timeout_s),
+        *(["--clip-norm", str(settings.clip_norm)] if settings.clip_norm is not None else []),
     ]  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import structlog
@@ -104,7 +105,8 @@ class Timeline:
 
 def adamw(settings: LearnerSettings) -> optax.GradientTransformation:
     """The inner optimizer when the workload names none: AdamW with warm-up and cosine decay
-    to a tenth of `--lr` over `--lr-horizon-steps` (default `--steps`)."""
+    to a tenth of `--lr` over `--lr-horizon-steps` (default `--steps`), each step's gradient
+    first clipped to the global norm `--clip-norm` (0: not clipped)."""
     steps = settings.lr_horizon_steps or settings.steps or 1_000_000
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
@@ -113,7 +115,29 @@ def adamw(settings: LearnerSettings) -> optax.GradientTransformation:
         max(steps, settings.warmup_steps + 1),
         end_value=settings.lr * 0.1,
     )
-    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=settings.weight_decay)
+    adam = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=settings.weight_decay)
+    if not settings.clip_norm:
+        return adam
+    return optax.chain(clip_to_global_norm(settings.clip_norm), adam)
+
+
+def clip_to_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """Scales a gradient whose global L2 norm is above `max_norm` down to that norm: every leaf
+    times `min(1, max_norm / norm)`, what `optax.clip_by_global_norm` gives. That one selects
+    between the clipped and the unclipped tree, which XLA's CPU code does not fuse: on the
+    race's 6.1M-parameter model (one thread) a step took 78 ms with it, 50 ms with this and
+    45 ms unclipped."""
+
+    def update(
+        updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, optax.EmptyState]:
+        del params
+        leaves = jax.tree.leaves(updates)
+        norm = jnp.sqrt(sum(jnp.vdot(x, x).real for x in leaves))
+        scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-30))
+        return jax.tree.map(lambda x: (x * scale).astype(x.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 class InnerLoop:

@@ -39,6 +39,12 @@ class ModelConfig(BaseModel):
     lr: float = Field(3e-3, gt=0.0, description="inner AdamW peak learning rate")
     warmup_steps: int = Field(20, ge=0, description="inner learning-rate warm-up steps")
     weight_decay: float = Field(0.01, ge=0.0, description="inner AdamW weight decay")
+    clip_norm: float = Field(
+        1.0,
+        ge=0.0,
+        description="clip each inner step's gradient to this global L2 norm before AdamW "
+        "(0: no clipping); applies to every mode, data-parallel included",
+    )
     seed: int = Field(0, description="initialization and data-order seed")
     data: list[Path] = Field(
         default_factory=list,
