@@ -27,6 +27,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,38 @@ class ScaleBench(Output):
         "payload bytes until it is received)",
     )
 
+    client_cores: int = Field(
+        0,
+        ge=0,
+        description="pin the synthetic learners to this many of the machine's last cores and "
+        "each replica to an equal share of the rest, none shared (0: nothing pinned, every "
+        "process on every core)",
+    )
+
     def cli_cmd(self) -> None:
         run(self)
+
+
+def pinning(
+    cores: Sequence[int], clients: int, replicas: int
+) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """Each replica's cores and the learners' with `clients` cores for the learners: the
+    last `clients` of `cores` for them, the rest split into equal runs, one per replica (a
+    remainder left idle). Nothing pinned with `clients` 0."""
+    if not clients:
+        return [()] * replicas, ()
+    ordered = sorted(cores)
+    share = (len(ordered) - clients) // replicas
+    if share < 1:
+        raise ValueError(
+            f"--client-cores {clients} leaves {len(ordered) - clients} of this process's "
+            f"{len(ordered)} cores for {replicas} replicas, fewer than one each: pin fewer "
+            "client cores or measure fewer replicas"
+        )
+    return (
+        [tuple(ordered[i * share : (i + 1) * share]) for i in range(replicas)],
+        tuple(ordered[-clients:]),
+    )
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -221,10 +252,15 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
             "--log-level",
             "warning",
         ]
+        replica_cores, client_cores = pinning(
+            sorted(os.sched_getaffinity(0)), settings.client_cores, replicas
+        )
         children = [
             synchronizer_child(run_dir, redis_server.url, f"replica-{i}", job_args)
             for i in range(replicas)
         ]
+        for child, cores in zip(children, replica_cores, strict=True):
+            child.cores = cores
         for child in children:
             child.start_and_wait()
         learners: list[Child] = []
@@ -264,6 +300,7 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
                         ),
                         run_dir / f"learner-{i}.log",
                         child_env(1),
+                        cores=client_cores,
                     ).start()
                 )
             deadline = time.monotonic() + settings.seconds + 120
@@ -338,6 +375,11 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
             "replicas": round(replica_cpu / wall, 2),
             "learners": round(sum(float(r.get("cpu_s", 0.0)) for r in results) / wall, 2),
             "cores": os.cpu_count() or 0,
+        },
+        # Where each ran (empty: anywhere): `--client-cores`.
+        "pinned_cores": {
+            "replicas": [list(c) for c in replica_cores],
+            "learners": list(client_cores),
         },
         # Where the tail is: [fragment, version, seconds, {phase: seconds}] of the slowest
         # merges (the time from ready to the merge's start is the rest).

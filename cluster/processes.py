@@ -83,18 +83,30 @@ class Child:
     env: dict[str, str]
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    # The cores it may run on (empty: those of its parent). It inherits them at its start,
+    # so every thread it makes has them and its pools are sized by them.
+    cores: tuple[int, ...] = ()
 
     def start(self) -> Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            self.args,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
-        )
-        log.close()
+        # A child inherits the affinity of the thread that starts it (Linux sets it per
+        # thread), so this thread takes the child's cores for the moment of the start.
+        mine = os.sched_getaffinity(0) if self.cores else set()
+        if self.cores:
+            os.sched_setaffinity(0, self.cores)
+        try:
+            self.process = subprocess.Popen(
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+        finally:
+            if self.cores:
+                os.sched_setaffinity(0, mine)
+            log.close()
         self.starts += 1
         return self
 

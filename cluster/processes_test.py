@@ -52,3 +52,18 @@ def test_stop_all_waits_one_timeout_for_every_child(tmp_path: Path) -> None:
     assert time.monotonic() - started < 2.5
     assert not any(child.alive() for child in children)
     assert {child.process.returncode for child in children if child.process} == {-signal.SIGKILL}
+
+
+def test_a_child_started_on_cores_runs_only_on_them_and_its_parent_keeps_its_own(
+    tmp_path: Path,
+) -> None:
+    mine = os.sched_getaffinity(0)
+    core = min(mine)
+    log = tmp_path / "child.log"
+    script = "import os; print(sorted(os.sched_getaffinity(0)))"
+    child = Child("pinned", [sys.executable, "-c", script], log, dict(os.environ), cores=(core,))
+    child.start()
+    assert child.process is not None
+    assert child.process.wait(timeout=30) == 0
+    assert log.read_text().strip() == f"[{core}]"
+    assert os.sched_getaffinity(0) == mine

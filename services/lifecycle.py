@@ -25,6 +25,17 @@ PARENT_ENV = "ATOLL_PARENT_PID"
 ORPHAN_GRACE_S = 30.0
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (what `taskset`, a container's
+    cpuset or a benchmark's pinning allows), not every core of the machine. Thread pools sized
+    by the machine's count oversubscribe a replica pinned to a share of it: on 16 cores, eight
+    replicas each with sixteen summing threads made the slowest merges wait on each other."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
 def watch_parent(
     interval_s: float = 1.0, grace_s: float = ORPHAN_GRACE_S, parent: int | None = None
 ) -> None:

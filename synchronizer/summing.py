@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import os
 import random
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ import numpy as np
 
 from services import codec as codecs
 from services.config import JobConfig
+from services.lifecycle import usable_cores
 from synchronizer.core.admission import others_norm, update_weight
 from synchronizer.core.merge import MergeRule, RoundSum, capped_weights
 from synchronizer.core.recent import Recent
@@ -32,7 +32,7 @@ from synchronizer.worker import FragmentWorker
 
 # A fragment's outer steps and the sums that run side by side share one pool, a thread per
 # core.
-STEP_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="atoll-step")
+STEP_POOL = ThreadPoolExecutor(max_workers=usable_cores(), thread_name_prefix="atoll-step")
 MAX_WEIGHTED_VALUE = 1e37  # weight x value beyond this would overflow the float32 sum
 
 # The values of an update read for its agreement with the fragment's last merged outer
@@ -387,7 +387,7 @@ class RoundSums:
             if sealed.weight == 0:
                 sealed.total = held.total
             else:
-                step = max(1, -(-self.size // (4 * (os.cpu_count() or 1))))
+                step = max(1, -(-self.size // (4 * usable_cores())))
 
                 def add(start: int) -> None:
                     part = sealed.total[start : start + step]

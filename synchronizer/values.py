@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,13 +31,14 @@ import structlog
 
 from services import codec as codecs
 from services.downlink import apply_segment
+from services.lifecycle import usable_cores
 from synchronizer.records import Keyframe
 from synchronizer.store.control import ControlStore, Pointer
 from synchronizer.store.tensors import TensorStore, TensorStoreError, object_name, version_of
 
 log = structlog.get_logger("atoll.synchronizer.values")
 VALUE_EVERY = 8
-_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="atoll-rebuild")
+_POOL = ThreadPoolExecutor(max_workers=usable_cores(), thread_name_prefix="atoll-rebuild")
 
 
 class VersionGone(LookupError):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.scale import cpu_seconds, freshness
+from bench.scale import cpu_seconds, freshness, pinning
 from cluster.processes import atoll_command
 
 KEYS = {
@@ -154,3 +154,15 @@ def test_cpu_seconds_of_a_process_that_is_gone_fail_rather_than_read_zero() -> N
     assert cpu_seconds(os.getpid()) > 0
     with pytest.raises(ProcessLookupError, match="exited during the measurement"):
         cpu_seconds(int(gone.stdout))
+
+
+def test_pinning_gives_each_replica_cores_of_its_own_and_the_learners_the_last() -> None:
+    replicas, learners = pinning(range(16), 4, 3)
+    assert learners == (12, 13, 14, 15)
+    assert replicas == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+    assert pinning(range(16), 0, 2) == ([(), ()], ())  # nothing pinned
+
+
+def test_pinning_refuses_a_replica_without_a_core_and_says_what_to_change() -> None:
+    with pytest.raises(ValueError, match="fewer than one each"):
+        pinning(range(4), 2, 3)
