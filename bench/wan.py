@@ -70,6 +70,11 @@ class WanBench(Model, Output):
         description="the decoupled, sync and uncapped runs' outer learning rate (default: "
         "the job's)",
     )
+    downlink_codec: str | None = Field(
+        None,
+        description="codec of the new global values the decoupled, sync and uncapped runs "
+        "send back to learners (default: the job's, int8)",
+    )
     clip_norm: float | None = Field(
         None,
         ge=0.0,
@@ -166,6 +171,8 @@ def planned(settings: WanBench) -> list[tuple[str, list[str]]]:
     tuning = ["--lr", str(settings.lr)] if settings.lr is not None else []
     if settings.outer_lr is not None:
         tuning += ["--outer-lr", str(settings.outer_lr)]
+    if settings.downlink_codec is not None:
+        tuning += ["--downlink-codec", settings.downlink_codec]
     decoupled = ["--mode", "decoupled", "--no-shared-budget", *algorithm_flags(settings), *tuning]
     plans = {
         "dp": [

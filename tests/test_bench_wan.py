@@ -8,6 +8,7 @@ from typing import Any
 
 from bench.wan import (
     WanBench,
+    common_flags,
     eval_curve,
     planned,
     plot_race,
@@ -83,3 +84,15 @@ def test_each_side_has_its_own_learning_rate() -> None:
     assert tuned["dp"].count("--lr") == 1
     untuned = dict(planned(WanBench.model_validate({"json": None})))
     assert all("--lr" not in flags for flags in untuned.values())
+
+
+def test_the_downlink_codec_is_the_diloco_runs_alone_and_clipping_every_runs() -> None:
+    settings = WanBench.model_validate({"json": None, "downlink_codec": "int4", "clip_norm": 0.5})
+    plans = dict(planned(settings))
+    for name in ("decoupled", "sync", "uncapped"):
+        flags = plans[name]
+        assert flags[flags.index("--downlink-codec") + 1] == "int4"
+    assert "--downlink-codec" not in plans["dp"]  # data-parallel sends no global values
+    common = common_flags(settings)
+    assert common[common.index("--clip-norm") + 1] == "0.5"  # the same for every run
+    assert "--clip-norm" not in common_flags(WanBench.model_validate({"json": None}))
