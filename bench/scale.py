@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,7 @@ class ScaleBench(Output):
 
 
 def pinning(
-    cores: Sequence[int], clients: int, replicas: int
+    cores: Collection[int], clients: int, replicas: int
 ) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
     """Each replica's cores and the learners' with `clients` cores for the learners: the
     last `clients` of `cores` for them, the rest split into equal runs, one per replica (a
@@ -253,7 +253,7 @@ def run_replicas(settings: ScaleBench, workdir: Path, replicas: int) -> dict[str
             "warning",
         ]
         replica_cores, client_cores = pinning(
-            sorted(os.sched_getaffinity(0)), settings.client_cores, replicas
+            os.sched_getaffinity(0), settings.client_cores, replicas
         )
         children = [
             synchronizer_child(run_dir, redis_server.url, f"replica-{i}", job_args)

@@ -31,8 +31,9 @@ from synchronizer.records import Chunk, NormTooLarge, Update
 from synchronizer.worker import FragmentWorker
 
 # A fragment's outer steps and the sums that run side by side share one pool, a thread per
-# core.
-STEP_POOL = ThreadPoolExecutor(max_workers=usable_cores(), thread_name_prefix="atoll-step")
+# core the replica may run on (read once: the pool and the ranges it is given agree).
+STEP_THREADS = usable_cores()
+STEP_POOL = ThreadPoolExecutor(max_workers=STEP_THREADS, thread_name_prefix="atoll-step")
 MAX_WEIGHTED_VALUE = 1e37  # weight x value beyond this would overflow the float32 sum
 
 # The values of an update read for its agreement with the fragment's last merged outer
@@ -387,7 +388,7 @@ class RoundSums:
             if sealed.weight == 0:
                 sealed.total = held.total
             else:
-                step = max(1, -(-self.size // (4 * usable_cores())))
+                step = max(1, -(-self.size // (4 * STEP_THREADS)))
 
                 def add(start: int) -> None:
                     part = sealed.total[start : start + step]
